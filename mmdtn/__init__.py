@@ -1,0 +1,12 @@
+"""mmdtn: Dynamic Token Normalization (Shao et al., ICLR 2022) and Dual PatchNorm for OpenMMLab.
+
+``import mmdtn`` (or ``custom_imports = dict(imports=['mmdtn'])`` in a config) registers every module
+of the package in mmdet's and mmsegmentation's registries and enables safe loading of mmengine
+checkpoints with PyTorch's ``weights_only`` unpickler.
+"""
+from .version import __version__
+from . import registry  # noqa: F401  (fails early and clearly if mmdet or mmseg is missing)
+from .models import *  # noqa: F401,F403
+from .models import __all__ as _models_all
+
+__all__ = ['__version__', *_models_all]

@@ -1,0 +1,33 @@
+"""Registration of mmdtn's modules where mmdet and mmsegmentation look them up.
+
+mmdet (default_scope ``mmdet``) and mmsegmentation (default_scope ``mmseg``) each have their own
+``MODELS`` registry, children of mmengine's root registry. A model is registered in both children so
+that ``type='PyramidVisionTransformerDTN'`` resolves in either scope; norm layers are also registered
+in the root, where mmcv's ``build_norm_layer`` finds them from any scope (or none).
+"""
+from mmdet.registry import MODELS as MMDET_MODELS
+from mmengine.registry import MODELS as ROOT_MODELS
+from mmseg.registry import MODELS as MMSEG_MODELS
+
+__all__ = ['register_model', 'register_norm_layer', 'MMDET_MODELS', 'MMSEG_MODELS', 'ROOT_MODELS']
+
+
+def register_model(cls=None, *, name=None):
+    """Register ``cls`` in mmdet's and mmsegmentation's ``MODELS``; usable as a decorator."""
+
+    def _register(module):
+        for registry in (MMDET_MODELS, MMSEG_MODELS):
+            registry.register_module(name=name, module=module)
+        return module
+
+    return _register if cls is None else _register(cls)
+
+
+def register_norm_layer(cls=None, *, name=None):
+    """Register a norm layer in mmengine's root ``MODELS`` (for ``build_norm_layer``) and both children."""
+
+    def _register(module):
+        ROOT_MODELS.register_module(name=name, module=module)
+        return register_model(module, name=name)
+
+    return _register if cls is None else _register(cls)
