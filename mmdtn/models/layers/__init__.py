@@ -1,1 +1,10 @@
-__all__ = []
+"""Normalisation layers: Dynamic Token Normalization and its reference-code compatibility."""
+from .dynamic_token_norm import LAYERNORM_GATE_LOGIT, DynamicTokenNorm, neighbourhood_offsets
+from .reference_compat import convert_reference_state_dict
+
+__all__ = [
+    'DynamicTokenNorm',
+    'LAYERNORM_GATE_LOGIT',
+    'neighbourhood_offsets',
+    'convert_reference_state_dict',
+]
