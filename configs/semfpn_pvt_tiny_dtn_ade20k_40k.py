@@ -1,0 +1,12 @@
+# Semantic FPN, PVT-Tiny with Dynamic Token Normalization (Shao et al., ICLR 2022), ADE20K, 40k
+# iters. The LN twin semfpn_pvt_tiny_ln_ade20k_40k.py with only the backbone's block norms changed:
+# DTN in stages 1-3 (stage 4 keeps LN), 4/4/5 heads, pool sizes 4/2/1 (the backbone's defaults,
+# paper B.1). DTN's gates and positional coefficients get no weight decay (see
+# _base_/dtn_no_decay.py). The ImageNet checkpoint is the twin's LayerNorm one: DTN takes its LN
+# weight/bias and, with dtn_init='layernorm', starts as exactly the LayerNorm it replaces.
+_base_ = ['./semfpn_pvt_tiny_ln_ade20k_40k.py', './_base_/dtn_no_decay.py']
+custom_imports = dict(imports=['mmdtn'], allow_failed_imports=False)
+model = dict(
+    backbone=dict(type='PyramidVisionTransformerDTN', dtn_init='layernorm'))
+optim_wrapper = dict(
+    paramwise_cfg=dict(custom_keys={{_base_.dtn_no_decay_keys}}))
