@@ -1,0 +1,283 @@
+"""Loading ImageNet checkpoints into the DTN backbones.
+
+Accepted checkpoints (``init_cfg=dict(type='Pretrained', checkpoint=..., prefix=None)``):
+
+- official PVT v1 / PVTv2 and Swin releases, converted with mmdet's own ``pvt_convert`` /
+  ``swin_converter`` when ``convert_weights=True``, exactly as mmdet's backbones do;
+- timm ``pvt_v2_*`` and ``swin_*`` state dicts (always converted: timm's names -> the official
+  release's names -> mmdet's);
+- mmdet-format weights (a backbone's ``state_dict()``, or a detector / classifier checkpoint whose
+  backbone keys start with ``backbone.``, or with ``prefix``).
+
+The block LayerNorms' ``weight``/``bias`` load into DTN's ``weight``/``bias`` (same names). DTN-only
+parameters (``mean_gate``, ``var_gate``, ``pos_coef``) and a Dual PatchNorm patch LayerNorm absent
+from the checkpoint keep their configured initialisation; this is logged, as is every other key
+that was not loaded or not used. A shape mismatch raises ``ValueError`` naming the key and both
+shapes.
+"""
+import os.path as osp
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Mapping, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from mmdet.models.backbones.pvt import pvt_convert
+from mmdet.models.backbones.swin import swin_converter
+from mmengine.logging import MMLogger, print_log
+from mmengine.runner.checkpoint import CheckpointLoader
+
+from ..layers.dual_patchnorm import PatchNormConv2d
+from ..layers.dynamic_token_norm import DynamicTokenNorm
+
+__all__ = [
+    'LoadReport', 'load_pretrained', 'read_state_dict', 'load_state_dict_checked',
+    'pvt_checkpoint_to_mmdet', 'swin_checkpoint_to_mmdet', 'timm_pvt_v2_to_official',
+    'timm_swin_to_official'
+]
+
+DTN_ONLY_PARAMS = ('mean_gate', 'var_gate', 'pos_coef')
+# Buffers a model computes from its own configuration (timm does not save them).
+DERIVED_BUFFERS = ('relative_position_index', )
+
+StateDict = Dict[str, torch.Tensor]
+
+
+@dataclass
+class LoadReport:
+    """What :func:`load_state_dict_checked` did, key by key."""
+    loaded: List[str] = field(default_factory=list)
+    dtn_initialised: List[str] = field(default_factory=list)  # DTN-only params, as configured
+    dpn_initialised: List[str] = field(default_factory=list)  # new Dual PatchNorm LayerNorm
+    derived: List[str] = field(default_factory=list)  # buffers the model computes itself
+    missing: List[str] = field(default_factory=list)  # other model keys not in the checkpoint
+    unused: List[str] = field(default_factory=list)  # checkpoint keys the model does not have
+
+
+# ---------------------------------------------------------------------------------- reading
+def _strip(state_dict: Mapping, prefix: str) -> StateDict:
+    return OrderedDict((k[len(prefix):], v) for k, v in state_dict.items() if k.startswith(prefix))
+
+
+def read_state_dict(checkpoint: str, prefix: Optional[str] = None, logger=None) -> StateDict:
+    """Read the weights of ``checkpoint`` (path or URL) as a flat state dict.
+
+    Unwraps ``state_dict`` / ``model`` entries, strips a DataParallel ``module.`` prefix, and keeps
+    only the keys under ``prefix`` (stripped) if given, else under ``backbone.`` if there are any.
+    """
+    if not isinstance(checkpoint, str):
+        raise ValueError(f'checkpoint must be a path or URL string, got {checkpoint!r}')
+    if '://' not in checkpoint and not osp.isfile(osp.expanduser(checkpoint)):
+        raise FileNotFoundError(f'checkpoint file not found: {checkpoint}')
+    ckpt = CheckpointLoader.load_checkpoint(checkpoint, map_location='cpu', logger=logger)
+    if isinstance(ckpt, Mapping) and 'state_dict' in ckpt:
+        ckpt = ckpt['state_dict']
+    elif isinstance(ckpt, Mapping) and 'model' in ckpt:
+        ckpt = ckpt['model']
+    if not isinstance(ckpt, Mapping) or not all(torch.is_tensor(v) for v in ckpt.values()):
+        raise ValueError(f'{checkpoint} does not hold a state dict of tensors')
+    state_dict = OrderedDict(ckpt)
+    if state_dict and all(k.startswith('module.') for k in state_dict):
+        state_dict = _strip(state_dict, 'module.')
+    if prefix:
+        prefix = prefix if prefix.endswith('.') else prefix + '.'
+        selected = _strip(state_dict, prefix)
+        if not selected:
+            raise ValueError(f'no key of {checkpoint} starts with prefix {prefix!r}')
+        return selected
+    if any(k.startswith('backbone.') for k in state_dict):
+        return _strip(state_dict, 'backbone.')
+    return state_dict
+
+
+# ---------------------------------------------------------------------------------- PVT
+def timm_pvt_v2_to_official(state_dict: Mapping) -> StateDict:
+    """Rename a timm ``pvt_v2_*`` state dict to the official PVTv2 release's names.
+
+    timm: ``patch_embed.*``, ``stages.{i}.downsample.*`` (stages 2-4), ``stages.{i}.blocks.{j}.*``
+    with ``mlp.dwconv``, ``stages.{i}.norm.*``; official: ``patch_embed{i+1}.*``,
+    ``block{i+1}.{j}.*`` with ``mlp.dwconv.dwconv``, ``norm{i+1}.*``.
+    """
+    out = OrderedDict()
+    for k, v in state_dict.items():
+        if k.startswith('patch_embed.'):
+            k = 'patch_embed1.' + k[len('patch_embed.'):]
+        elif k.startswith('stages.'):
+            m = re.match(r'stages\.(\d+)\.(downsample|blocks\.(\d+)|norm)\.(.*)', k)
+            if m is None:
+                raise ValueError(f'unknown key in a timm pvt_v2 state dict: {k}')
+            i, part, j, rest = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+            if part == 'downsample':
+                k = f'patch_embed{i + 1}.{rest}'
+            elif part == 'norm':
+                k = f'norm{i + 1}.{rest}'
+            else:
+                rest = rest.replace('mlp.dwconv.', 'mlp.dwconv.dwconv.')
+                k = f'block{i + 1}.{j}.{rest}'
+        out[k] = v
+    return out
+
+
+def _is_timm_pvt_v2(state_dict: Mapping) -> bool:
+    return 'patch_embed.proj.weight' in state_dict and any(
+        k.startswith('stages.') for k in state_dict)
+
+
+def pvt_checkpoint_to_mmdet(state_dict: Mapping, convert_weights: bool) -> StateDict:
+    """PVT/PVTv2 weights in mmdet's names: timm always converted, official ones as mmdet does
+    (``pvt_convert`` if ``convert_weights``), mmdet-format ones unchanged."""
+    if _is_timm_pvt_v2(state_dict):
+        return pvt_convert(timm_pvt_v2_to_official(state_dict))
+    if convert_weights:
+        return pvt_convert(state_dict)
+    return OrderedDict(state_dict)
+
+
+# ---------------------------------------------------------------------------------- Swin
+def timm_swin_to_official(state_dict: Mapping) -> StateDict:
+    """Rename a timm ``swin_*`` state dict to the official Swin release's names.
+
+    timm (>= 0.9) puts patch merging at the start of stages 2-4 (``layers.{i}.downsample``) where
+    the official code has it at the end of stages 1-3 (``layers.{i-1}.downsample``), with the same
+    channel order; its classifier is ``head.fc``. Everything else has the official names.
+    """
+    out = OrderedDict()
+    for k, v in state_dict.items():
+        m = re.match(r'layers\.(\d+)\.downsample\.(.*)', k)
+        if m is not None:
+            k = f'layers.{int(m.group(1)) - 1}.downsample.{m.group(2)}'
+        elif k.startswith('head.fc.'):
+            k = 'head.' + k[len('head.fc.'):]
+        out[k] = v
+    return out
+
+
+def _is_timm_swin(state_dict: Mapping) -> bool:
+    return ('layers.0.downsample.reduction.weight' not in state_dict
+            and any(re.match(r'layers\.\d+\.downsample\.reduction\.weight', k)
+                    for k in state_dict))
+
+
+def _resize_relative_position_tables(state_dict: StateDict, model: nn.Module) -> StateDict:
+    """Bicubic resize of Swin's relative position bias tables to the model's window size (as
+    mmdet's Swin does); ``relative_position_index`` buffers of another window size are dropped,
+    the model's own are derived from its window size."""
+    model_state = model.state_dict()
+    for key in list(state_dict):
+        if key not in model_state or state_dict[key].shape == model_state[key].shape:
+            continue
+        if key.endswith('relative_position_bias_table'):
+            table = state_dict[key]
+            (l1, nh1), (l2, nh2) = table.shape, model_state[key].shape
+            if nh1 != nh2:
+                continue  # reported as a shape mismatch
+            s1, s2 = int(l1**0.5), int(l2**0.5)
+            resized = F.interpolate(
+                table.permute(1, 0).reshape(1, nh1, s1, s1).float(), size=(s2, s2),
+                mode='bicubic')
+            state_dict[key] = resized.reshape(nh2, l2).permute(1, 0).contiguous().to(table.dtype)
+        elif key.endswith('relative_position_index'):
+            del state_dict[key]
+    return state_dict
+
+
+def swin_checkpoint_to_mmdet(state_dict: Mapping, convert_weights: bool,
+                             model: Optional[nn.Module] = None) -> StateDict:
+    """Swin weights in mmdet's names: timm always converted, official ones as mmdet does
+    (``swin_converter`` if ``convert_weights``), mmdet-format ones unchanged; relative position
+    tables resized to ``model``'s window size."""
+    if _is_timm_swin(state_dict):
+        state_dict = _strip(swin_converter(timm_swin_to_official(state_dict)), 'backbone.')
+    elif convert_weights:
+        state_dict = _strip(swin_converter(state_dict), 'backbone.')
+    else:
+        state_dict = OrderedDict(state_dict)
+    if model is not None:
+        state_dict = _resize_relative_position_tables(state_dict, model)
+    return state_dict
+
+
+# ---------------------------------------------------------------------------------- loading
+def load_state_dict_checked(model: nn.Module, state_dict: Mapping, logger=None) -> LoadReport:
+    """Load ``state_dict`` (mmdet names) into ``model`` non-strictly and report every key.
+
+    Raises:
+        ValueError: a key present in both with different shapes (all such keys are named, each
+            with the checkpoint's and the model's shape).
+    """
+    model_state = model.state_dict()
+    mismatched = [f'{k}: checkpoint {tuple(v.shape)} vs model {tuple(model_state[k].shape)}'
+                  for k, v in state_dict.items()
+                  if k in model_state and v.shape != model_state[k].shape]
+    if mismatched:
+        raise ValueError(f'shape mismatch loading weights into {type(model).__name__}: ' +
+                         '; '.join(mismatched))
+    result = model.load_state_dict(state_dict, strict=False)
+
+    dtn_keys, dpn_keys = set(), set()
+    for name, module in model.named_modules():
+        prefix = name + '.' if name else ''
+        if isinstance(module, DynamicTokenNorm):
+            dtn_keys.update(prefix + p for p in DTN_ONLY_PARAMS)
+        elif isinstance(module, PatchNormConv2d):
+            dpn_keys.update(prefix + 'patch_norm.' + k for k in module.patch_norm.state_dict())
+    report = LoadReport(unused=list(result.unexpected_keys))
+    missing = set(result.missing_keys)
+    report.loaded = [k for k in state_dict if k in model_state]
+    for key in model_state:
+        if key not in missing:
+            continue
+        if key in dtn_keys:
+            report.dtn_initialised.append(key)
+        elif key in dpn_keys:
+            report.dpn_initialised.append(key)
+        elif key.rsplit('.', 1)[-1] in DERIVED_BUFFERS:
+            report.derived.append(key)
+        else:
+            report.missing.append(key)
+
+    name = type(model).__name__
+    print_log(f'{name}: loaded {len(report.loaded)} of {len(model_state)} tensors',
+              logger=logger)
+    if report.dtn_initialised:
+        inits = sorted({m.init for m in model.modules() if isinstance(m, DynamicTokenNorm)})
+        print_log(f'{name}: {len(report.dtn_initialised)} DTN-only parameters are not in the '
+                  f'checkpoint and keep their init={"/".join(inits)} values: ' +
+                  ', '.join(report.dtn_initialised), logger=logger)
+    if report.dpn_initialised:
+        print_log(f'{name}: the checkpoint has no Dual PatchNorm patch LayerNorm; freshly '
+                  'initialised (weight 1, bias 0): ' + ', '.join(report.dpn_initialised),
+                  logger=logger, level=30)
+    if report.derived:
+        print_log(f'{name}: {len(report.derived)} buffers not in the checkpoint are derived from '
+                  'the configuration: ' + ', '.join(report.derived), logger=logger)
+    if report.missing:
+        print_log(f'{name}: {len(report.missing)} model tensors not in the checkpoint (left at '
+                  'their initialisation): ' + ', '.join(report.missing), logger=logger, level=30)
+    if report.unused:
+        print_log(f'{name}: {len(report.unused)} checkpoint tensors not used: ' +
+                  ', '.join(report.unused), logger=logger, level=30)
+    return report
+
+
+def load_pretrained(model: nn.Module, init_cfg: Mapping,
+                    to_mmdet: Callable[[StateDict], StateDict], logger=None) -> LoadReport:
+    """Load ``init_cfg=dict(type='Pretrained', checkpoint=..., prefix=None)`` into ``model``.
+
+    Args:
+        model: the backbone.
+        init_cfg: a ``Pretrained`` init config.
+        to_mmdet: converts the checkpoint's state dict into the backbone's (mmdet) names.
+        logger: where the report goes (default: the current ``MMLogger``).
+    """
+    if logger is None:
+        logger = MMLogger.get_current_instance()
+    if not isinstance(init_cfg, Mapping) or init_cfg.get('type', 'Pretrained') != 'Pretrained' \
+            or not init_cfg.get('checkpoint'):
+        raise ValueError(f'{type(model).__name__} supports init_cfg=dict(type="Pretrained", '
+                         f'checkpoint=...) only, got {init_cfg!r}')
+    state_dict = read_state_dict(init_cfg['checkpoint'], init_cfg.get('prefix'), logger)
+    print_log(f'{type(model).__name__}: loading {init_cfg["checkpoint"]}', logger=logger)
+    return load_state_dict_checked(model, to_mmdet(state_dict), logger)
