@@ -5,7 +5,7 @@ of the package in mmdet's and mmsegmentation's registries and enables safe loadi
 checkpoints with PyTorch's ``weights_only`` unpickler.
 """
 from .version import __version__
-from . import registry  # noqa: F401  (fails early and clearly if mmdet or mmseg is missing)
+from . import checkpoint, registry  # noqa: F401  (safe checkpoint loading; registries)
 from .models import *  # noqa: F401,F403
 from .models import __all__ as _models_all
 
