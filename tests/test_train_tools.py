@@ -1,0 +1,230 @@
+"""End-to-end runs of tools/train.py, tools/test.py and tools/dist_train.sh on CPU.
+
+Each run is a subprocess of this interpreter on a tiny dataset made here: a few iterations of
+RetinaNet and Mask R-CNN with PVT-Tiny-DTN followed by COCO evaluation, Semantic FPN with mIoU, a
+2-process gloo run through dist_train.sh, and a training process killed mid-epoch then resumed.
+"""
+import json
+import math
+import os
+import os.path as osp
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+from mmengine.config import Config
+
+import mmdtn  # noqa: F401
+from mmdtn.engine import CPUDistributedDataParallel, init_cpu_process_group, setup_distributed
+from tiny_datasets import (det_overrides, env_for_subprocess, make_coco, make_seg,
+                           write_config)
+
+REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
+TRAIN = osp.join(REPO, 'tools', 'train.py')
+TEST = osp.join(REPO, 'tools', 'test.py')
+COCO_AP_LINE = 'Average Precision  (AP) @[ IoU=0.50:0.95 | area=   all | maxDets=100 ]'
+RETINANET = "dict(backbone=dict(init_cfg=None), bbox_head=dict(num_classes=2), " \
+            "test_cfg=dict(score_thr=0.0))"
+MASK_RCNN = "dict(backbone=dict(init_cfg=None), roi_head=dict(bbox_head=dict(num_classes=2), " \
+            "mask_head=dict(num_classes=2)))"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def run(cmd, cwd, timeout=240, **env):
+    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env_for_subprocess(env, REPO),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout)
+    return proc.returncode, proc.stdout
+
+
+def losses(log: str):
+    return [float(v) for v in re.findall(r'\bloss: ([-+0-9.eEnaif]+)', log)]
+
+
+def assert_ok(rc, out):
+    assert rc == 0, out[-4000:]
+    ls = losses(out)
+    assert ls and all(math.isfinite(v) for v in ls), out[-3000:]
+
+
+def last_scalars(work_dir):
+    """The last training record mmengine wrote to <work_dir>/<timestamp>/vis_data/scalars.json."""
+    records = []
+    for d in sorted(os.listdir(work_dir)):
+        path = osp.join(work_dir, d, 'vis_data', 'scalars.json')
+        if osp.isfile(path):
+            with open(path) as f:
+                records += [json.loads(line) for line in f if line.strip()]
+    return [r for r in records if 'loss' in r][-1]
+
+
+@pytest.fixture(scope='module')
+def coco_root(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp('tiny_coco'))
+    # An image without annotations and a crowd (RLE) object in each split: both must just work.
+    make_coco(root, {'train': 4, 'val': 2}, empty_image=True, crowd=True)
+    return root
+
+
+def test_retinanet_pvt_tiny_dtn_train_then_coco_eval(tmp_path, coco_root):
+    cfg = write_config(tmp_path / 'retinanet.py', 'retinanet_pvt_tiny_dtn_1x.py',
+                       det_overrides(coco_root), RETINANET)
+    work = tmp_path / 'work'
+    assert_ok(*run([sys.executable, TRAIN, cfg, '--work-dir', work], tmp_path))
+    ckpt = work / 'epoch_1.pth'
+    assert ckpt.is_file()
+    rc, out = run([sys.executable, TEST, cfg, ckpt, '--work-dir', tmp_path / 'test',
+                   '--out', tmp_path / 'preds.pkl', '--show-dir', 'painted'], tmp_path)
+    assert rc == 0, out[-4000:]
+    assert COCO_AP_LINE in out and 'coco/bbox_mAP:' in out
+    assert (tmp_path / 'preds.pkl').is_file()
+    painted = [f for d, _, fs in os.walk(tmp_path / 'test') for f in fs if f.endswith('.jpg')]
+    assert len(painted) == 3  # every val image, the one without annotations included
+
+
+def test_mask_rcnn_pvt_tiny_dtn_train_then_coco_bbox_segm_eval(tmp_path, coco_root):
+    cfg = write_config(tmp_path / 'mask_rcnn.py', 'mask_rcnn_pvt_tiny_dtn_1x.py',
+                       det_overrides(coco_root, with_mask=True), MASK_RCNN)
+    work = tmp_path / 'work'
+    assert_ok(*run([sys.executable, TRAIN, cfg, '--work-dir', work], tmp_path))
+    rc, out = run([sys.executable, TEST, cfg, work / 'epoch_1.pth', '--work-dir',
+                   tmp_path / 'test'], tmp_path)
+    assert rc == 0, out[-4000:]
+    assert 'Evaluating bbox...' in out and 'Evaluating segm...' in out
+    assert out.count(COCO_AP_LINE) == 2
+    assert 'coco/bbox_mAP:' in out and 'coco/segm_mAP:' in out
+
+
+SEG_OVERRIDES = """
+data_root = {root!r}
+crop_size = (64, 64)
+metainfo = dict(classes=('background', 'square', 'disc'),
+                palette=[[0, 0, 0], [220, 60, 60], [60, 60, 220]])
+train_pipeline = [
+    dict(type='LoadImageFromFile'), dict(type='LoadAnnotations'),
+    dict(type='RandomResize', scale=(80, 64), ratio_range=(0.9, 1.1), keep_ratio=True),
+    dict(type='RandomCrop', crop_size=crop_size), dict(type='RandomFlip', prob=0.5),
+    dict(type='PackSegInputs')]
+test_pipeline = [
+    dict(type='LoadImageFromFile'), dict(type='Resize', scale=(80, 64), keep_ratio=True),
+    dict(type='LoadAnnotations'), dict(type='PackSegInputs')]
+train_dataloader = dict(
+    batch_size=2, num_workers=0, persistent_workers=False,
+    dataset=dict(type='BaseSegDataset', data_root=data_root, metainfo=metainfo,
+                 data_prefix=dict(img_path='images/training',
+                                  seg_map_path='annotations/training'),
+                 pipeline=train_pipeline))
+val_dataloader = dict(
+    batch_size=1, num_workers=0, persistent_workers=False,
+    dataset=dict(type='BaseSegDataset', data_root=data_root, metainfo=metainfo,
+                 data_prefix=dict(img_path='images/validation',
+                                  seg_map_path='annotations/validation'),
+                 pipeline=test_pipeline))
+test_dataloader = val_dataloader
+model = dict(data_preprocessor=dict(size=crop_size), backbone=dict(init_cfg=None),
+             decode_head=dict(num_classes=3))
+train_cfg = dict(max_iters=3, val_interval=1000)
+default_hooks = dict(logger=dict(interval=1), checkpoint=dict(interval=3))
+log_processor = dict(window_size=1)
+env_cfg = dict(cudnn_benchmark=False, mp_cfg=dict(opencv_num_threads=1))
+"""
+
+
+def test_semantic_fpn_pvt_tiny_dtn_train_then_miou(tmp_path):
+    root = str(tmp_path / 'seg')
+    make_seg(root)
+    cfg = write_config(tmp_path / 'semfpn.py', 'semfpn_pvt_tiny_dtn_ade20k_40k.py',
+                       SEG_OVERRIDES.format(root=root))
+    work = tmp_path / 'work'
+    assert_ok(*run([sys.executable, TRAIN, cfg, '--work-dir', work], tmp_path))
+    rc, out = run([sys.executable, TEST, cfg, work / 'iter_3.pth', '--work-dir', tmp_path / 'test',
+                   '--out', tmp_path / 'pred_maps'], tmp_path)
+    assert rc == 0, out[-4000:]
+    assert 'per class results:' in out and 'mIoU' in out
+    miou = float(re.search(r'mIoU: ([0-9.]+)', out).group(1))
+    assert 0 <= miou <= 100
+    assert len(os.listdir(tmp_path / 'pred_maps')) == 2
+
+
+def test_dist_train_two_cpu_processes_gloo(tmp_path, coco_root):
+    cfg = write_config(tmp_path / 'retinanet.py', 'retinanet_pvt_tiny_dtn_1x.py',
+                       det_overrides(coco_root, batch_size=1), RETINANET)
+    work = tmp_path / 'work'
+    rc, out = run(['bash', osp.join(REPO, 'tools', 'dist_train.sh'), cfg, 2, '--work-dir', work,
+                   '--cfg-options', 'train_cfg.val_interval=1'], tmp_path, timeout=300,
+                  PYTHON=sys.executable, PORT=str(_free_port()))
+    assert_ok(rc, out)
+    assert 'Distributed training: True' in out
+    # 4 annotated training images over 2 processes, 1 image each per step: 2 iterations.
+    assert re.search(r'Epoch\(train\) \[1\]\[2/2\]', out), out[-3000:]
+    # Validation ran distributed too (results gathered over gloo) and printed COCO's table.
+    assert COCO_AP_LINE in out
+    assert (work / 'epoch_1.pth').is_file()
+    assert last_scalars(work)['iter'] == 2
+
+
+def test_resume_after_kill_mid_epoch(tmp_path, coco_root):
+    cfg = write_config(tmp_path / 'retinanet.py', 'retinanet_pvt_tiny_dtn_1x.py',
+                       det_overrides(coco_root, batch_size=1, max_epochs=3), RETINANET)
+    work = tmp_path / 'work'
+    cmd = [sys.executable, TRAIN, str(cfg), '--work-dir', str(work)]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env_for_subprocess(None, REPO),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            # 4 iterations per epoch: stop the process in the middle of epoch 2.
+            if re.search(r'Epoch\(train\) \[2\]\[2/4\]', line):
+                proc.send_signal(signal.SIGKILL)
+                break
+    finally:
+        proc.wait(timeout=60)
+        proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL, ''.join(seen)[-3000:]
+    assert (work / 'epoch_1.pth').is_file() and not (work / 'epoch_2.pth').exists()
+
+    rc, out = run(cmd + ['--resume'], tmp_path)
+    assert_ok(rc, out)
+    assert 'resumed epoch: 1, iter: 4' in out, out[-3000:]
+    assert re.search(r'Epoch\(train\) \[3\]\[4/4\]', out)
+    # The same iteration count as an uninterrupted run: 3 epochs x 4 iterations.
+    assert last_scalars(work)['iter'] == 12
+    assert (work / 'epoch_3.pth').is_file()
+
+
+def test_setup_distributed_cpu_gloo(monkeypatch):
+    """On CPU, a 'pytorch' launch gets a gloo group and the device-free DDP wrapper."""
+    cfg = Config(dict(env_cfg=dict(dist_cfg=dict(backend='nccl')), find_unused_parameters=True))
+    setup_distributed(cfg, 'none')
+    assert cfg.launcher == 'none' and 'model_wrapper_cfg' not in cfg
+    if torch.cuda.is_available():
+        pytest.skip('the CPU path is only taken without CUDA')
+    for k, v in dict(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1',
+                     MASTER_PORT=str(_free_port())).items():
+        monkeypatch.setenv(k, v)
+    try:
+        setup_distributed(cfg, 'pytorch')
+        assert torch.distributed.get_backend() == 'gloo'
+        assert cfg.env_cfg.dist_cfg.backend == 'gloo'
+        assert cfg.model_wrapper_cfg == dict(type='CPUDistributedDataParallel',
+                                             broadcast_buffers=False, find_unused_parameters=True)
+        init_cpu_process_group('pytorch')  # idempotent
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.SyncBatchNorm(4), nn.ReLU())
+        ddp = CPUDistributedDataParallel(model, device_ids=[0])
+        assert not any(isinstance(m, nn.SyncBatchNorm) for m in ddp.modules())
+        ddp(torch.randn(2, 3, 8, 8)).sum().backward()
+        assert all(p.grad is not None for p in ddp.parameters())
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

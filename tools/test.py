@@ -1,0 +1,162 @@
+"""Evaluate a checkpoint with the config's test evaluator; detection (mmdet) or segmentation (mmseg).
+
+    python tools/test.py configs/retinanet_pvt_tiny_dtn_1x.py CHECKPOINT [--work-dir DIR]
+        [--out FILE_OR_DIR] [--show] [--show-dir DIR] [--cfg-options KEY=VALUE ...]
+        [--launcher none|pytorch|slurm] [--tta]
+
+The config's evaluator prints the standard tables: COCO bbox / segm AP from mmdet's CocoMetric,
+per-class IoU / Acc and mIoU from mmseg's IoUMetric. ``--out``: detection predictions are dumped to
+a .pkl file (mmdet's DumpDetResults); segmentation predictions are written as PNG label maps into
+that directory (IoUMetric's output_dir). ``--show-dir``: painted predictions (detection: under
+work_dir/<timestamp>/, as mmdet; segmentation: the visualizer's save_dir).
+"""
+import argparse
+import os
+import os.path as osp
+import sys
+import warnings
+from copy import deepcopy
+
+import mmdtn  # noqa: F401  (first: registers mmdtn's modules, weights_only checkpoint loading)
+from mmengine.config import Config, ConfigDict, DictAction
+
+from mmdtn.datasets import DatasetFormatError, DatasetNotFoundError, check_datasets
+from mmdtn.engine import setup_distributed
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description='Test (and evaluate) a detector (mmdet) or segmentor (mmseg)')
+    parser.add_argument('config', help='test config file path')
+    parser.add_argument('checkpoint', help='checkpoint file')
+    parser.add_argument('--work-dir', help='the directory to save the evaluation metrics')
+    parser.add_argument(
+        '--out', type=str,
+        help='detection: dump predictions to this .pkl file; segmentation: write predicted '
+        'label maps into this directory')
+    parser.add_argument('--show', action='store_true', help='show prediction results')
+    parser.add_argument('--show-dir', help='directory where painted images will be saved')
+    parser.add_argument('--wait-time', type=float, default=2, help='the interval of show (s)')
+    parser.add_argument(
+        '--cfg-options', nargs='+', action=DictAction,
+        help='override settings of the config, key=value pairs; lists as key="[a,b]" or key=a,b')
+    parser.add_argument(
+        '--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'], default='none',
+        help='job launcher')
+    parser.add_argument('--tta', action='store_true', help='test-time augmentation')
+    # torch.distributed.launch passes --local-rank (torch >= 2.0) or --local_rank.
+    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
+    args = parser.parse_args(argv)
+    if 'LOCAL_RANK' not in os.environ:
+        os.environ['LOCAL_RANK'] = str(args.local_rank)
+    return args
+
+
+def fail(message: str) -> None:
+    """Stop with a one-paragraph error instead of a traceback."""
+    print(f'error: {message}', file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def _seg_visualization(cfg, args):
+    """mmseg's way of turning on painted predictions (mmseg's tools/test.py)."""
+    hook = cfg.default_hooks.get('visualization')
+    if hook is None:
+        fail("--show/--show-dir need default_hooks.visualization (e.g. SegVisualizationHook)")
+    hook['draw'] = True
+    if args.show:
+        hook['show'] = True
+        hook['wait_time'] = args.wait_time
+    if args.show_dir:
+        cfg.visualizer['save_dir'] = args.show_dir
+    return cfg
+
+
+def _det_tta(cfg):
+    """mmdet's default flip test-time augmentation, as in mmdet's tools/test.py."""
+    if 'tta_model' not in cfg:
+        warnings.warn('no tta_model in the config: using DetTTAModel with NMS 0.5')
+        cfg.tta_model = dict(type='DetTTAModel',
+                             tta_cfg=dict(nms=dict(type='nms', iou_threshold=0.5), max_per_img=100))
+    if 'tta_pipeline' not in cfg:
+        warnings.warn('no tta_pipeline in the config: using horizontal flip')
+        test_data_cfg = cfg.test_dataloader.dataset
+        while 'dataset' in test_data_cfg:
+            test_data_cfg = test_data_cfg['dataset']
+        cfg.tta_pipeline = deepcopy(test_data_cfg.pipeline)
+        cfg.tta_pipeline[-1] = dict(
+            type='TestTimeAug',
+            transforms=[[dict(type='RandomFlip', prob=1.), dict(type='RandomFlip', prob=0.)],
+                        [dict(type='PackDetInputs',
+                              meta_keys=('img_id', 'img_path', 'ori_shape', 'img_shape',
+                                         'scale_factor', 'flip', 'flip_direction'))]])
+    cfg.model = ConfigDict(**cfg.tta_model, module=cfg.model)
+    cfg.test_dataloader.dataset.pipeline = cfg.tta_pipeline
+    return cfg
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not osp.isfile(args.config):
+        fail(f'config file not found: {args.config!r}')
+    if '://' not in args.checkpoint and not osp.isfile(args.checkpoint):
+        fail(f'checkpoint not found: {args.checkpoint!r}')
+    cfg = Config.fromfile(args.config)
+    if args.cfg_options is not None:
+        cfg.merge_from_dict(args.cfg_options)
+    scope = cfg.get('default_scope')
+    if scope not in ('mmdet', 'mmseg'):
+        fail(f"{args.config}: default_scope must be 'mmdet' or 'mmseg' (got {scope!r})")
+
+    # work_dir: command line > config > ./work_dirs/<config name>
+    if args.work_dir is not None:
+        cfg.work_dir = args.work_dir
+    elif cfg.get('work_dir', None) is None:
+        cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(args.config))[0])
+    cfg.load_from = args.checkpoint
+
+    if scope == 'mmdet':
+        from mmdet.engine.hooks.utils import trigger_visualization_hook
+        from mmdet.registry import RUNNERS
+        from mmdet.utils import setup_cache_size_limit_of_dynamo
+        setup_cache_size_limit_of_dynamo()
+        if args.show or args.show_dir:
+            cfg = trigger_visualization_hook(cfg, args)
+        if args.tta:
+            cfg = _det_tta(cfg)
+        if args.out is not None and not args.out.endswith(('.pkl', '.pickle')):
+            fail(f'--out must be a .pkl file for detection (got {args.out!r})')
+    else:
+        from mmseg.registry import RUNNERS
+        if args.show or args.show_dir:
+            cfg = _seg_visualization(cfg, args)
+        if args.tta:
+            cfg.test_dataloader.dataset.pipeline = cfg.tta_pipeline
+            cfg.tta_model.module = cfg.model
+            cfg.model = cfg.tta_model
+        if args.out is not None:
+            cfg.test_evaluator['output_dir'] = args.out
+            cfg.test_evaluator['keep_results'] = True
+
+    try:
+        check_datasets(cfg, ['test'])
+    except (DatasetNotFoundError, DatasetFormatError) as e:
+        fail(str(e))
+
+    try:
+        setup_distributed(cfg, args.launcher)
+    except ValueError as e:
+        fail(str(e))
+    if 'runner_type' in cfg:
+        runner = RUNNERS.build(cfg)
+    else:
+        from mmengine.runner import Runner
+        runner = Runner.from_cfg(cfg)
+    if scope == 'mmdet' and args.out is not None:
+        from mmdet.evaluation import DumpDetResults
+        runner.test_evaluator.metrics.append(DumpDetResults(out_file_path=args.out))
+    runner.test()
+
+
+if __name__ == '__main__':
+    main()
