@@ -1,0 +1,117 @@
+"""The command line shared by the analysis tools: ``TOOL CONFIG [CHECKPOINT] [--images DIR] [--out DIR]``."""
+import argparse
+import csv
+import json
+import os
+import os.path as osp
+import sys
+
+import torch
+from tqdm import tqdm
+
+from .images import ImageSet
+from .models import build_backbone, load_config, load_weights
+
+__all__ = ['IMAGES_HELP', 'parser', 'add_images_args', 'add_compare_arg', 'models_of', 'prepare', 'load_backbone', 'images_of',
+           'progress', 'write_csv', 'write_json', 'main']
+
+IMAGES_HELP = ('folder of images (or one image file) to analyse; without it two deterministic '
+               'synthetic images are generated, enough to try the tool but not for conclusions')
+
+
+def parser(tool, description, checkpoint_help='checkpoint (.pth) of the model, a whole detector/'
+           'segmentor or its backbone; without it the backbone is randomly initialised'):
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('config', help='mmdet/mmseg config whose model.backbone is analysed')
+    p.add_argument('checkpoint', nargs='?', default=None, help=checkpoint_help)
+    p.add_argument('--out', default=osp.join('work_dirs', 'analysis', tool),
+                   help='output folder for the figures (PNG) and numbers (CSV/JSON) '
+                        '(default: %(default)s)')
+    p.add_argument('--device', default='cpu', help='torch device, e.g. cpu or cuda:0 (default: cpu)')
+    return p
+
+
+def add_images_args(p):
+    p.add_argument('--images', default=None, help=IMAGES_HELP)
+    p.add_argument('--size', type=int, nargs=2, metavar=('H', 'W'), default=None,
+                   help='resize every image to H x W (default: keep the aspect ratio, see --max-side)')
+    p.add_argument('--max-side', type=int, default=512,
+                   help='shrink images whose longer side exceeds this (default: %(default)s)')
+    return p
+
+
+def add_compare_arg(p, what='side by side'):
+    p.add_argument('--compare', nargs='+', metavar='CONFIG_OR_CHECKPOINT', default=None,
+                   help=f'a second model shown {what}: CONFIG2 [CHECKPOINT2], e.g. the LN twin of '
+                        f'a DTN config')
+    return p
+
+
+def models_of(args):
+    """``[(label, config, checkpoint)]`` of the model(s) named on the command line."""
+    models = [(args.config, args.checkpoint)]
+    compare = getattr(args, 'compare', None)
+    if compare:
+        if len(compare) > 2:
+            raise ValueError(f'--compare takes CONFIG2 [CHECKPOINT2], got {len(compare)} values')
+        models.append((compare[0], compare[1] if len(compare) > 1 else None))
+    labels = [osp.splitext(osp.basename(c))[0] for c, _ in models]
+    if len(labels) == 2 and labels[0] == labels[1]:
+        labels = [f'{labels[0]}_a', f'{labels[1]}_b']
+    return [(label, c, ck) for label, (c, ck) in zip(labels, models)]
+
+
+def prepare(args):
+    """Create ``args.out`` and check ``args.device``."""
+    if str(args.device).startswith('cuda') and not torch.cuda.is_available():
+        raise ValueError(f'--device {args.device}: CUDA is not available on this machine')
+    os.makedirs(args.out, exist_ok=True)
+    return args.out
+
+
+def load_backbone(config, checkpoint=None, device='cpu'):
+    """``(cfg, backbone)``: the config's backbone with the checkpoint's weights (if given)."""
+    cfg = load_config(config)
+    model = build_backbone(cfg, device, config_path=config)
+    if checkpoint is not None:
+        load_weights(model, checkpoint, config_path=config)
+    return cfg, model.eval()
+
+
+def images_of(args, cfg):
+    """The :class:`ImageSet` selected by ``--images``, ``--size`` and ``--max-side``."""
+    return ImageSet(args.images, cfg, size=tuple(args.size) if args.size else None,
+                    max_side=args.max_side)
+
+
+def progress(iterable, desc, total=None):
+    """tqdm progress bar on stderr."""
+    return tqdm(iterable, desc=desc, total=total, dynamic_ncols=True, leave=False)
+
+
+def write_csv(path, rows):
+    """Write a list of dicts as CSV (columns from the first row)."""
+    if not rows:
+        raise ValueError(f'nothing to write to {path}')
+    with open(path, 'w', newline='') as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def write_json(path, obj):
+    with open(path, 'w') as f:
+        json.dump(obj, f, indent=1)
+    return path
+
+
+def main(run, argv=None):
+    """Run ``run(argv)``; bad input (ValueError, FileNotFoundError) ends with a one-line error."""
+    try:
+        with torch.no_grad():
+            return run(argv)
+    except (ValueError, FileNotFoundError) as e:
+        print(f'error: {e}', file=sys.stderr)
+        sys.exit(2)

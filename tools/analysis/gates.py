@@ -1,0 +1,127 @@
+"""DTN's gates lambda = sigmoid(gate) of the mean and of the variance per layer and head (Fig. 4).
+
+lambda near 1 means intra-token (LayerNorm) statistics, near 0 inter-token statistics (Eq. 5).
+CHECKPOINT is a checkpoint file, or a work directory: then every ``*.pth`` in it is read in the
+order of its epoch/iteration number (``epoch_3.pth``, ``iter_2000.pth``) and the trajectory of every
+gate across training is drawn, as in the paper's Fig. 4. Without CHECKPOINT the config's
+initialisation is shown.
+
+Writes ``gates.png`` (layer x head heatmaps of the last checkpoint), ``gates_trajectory.png`` (with
+several checkpoints), ``gates.csv`` and ``gates.json`` to ``--out``. Needs a DTN backbone.
+
+Example::
+
+    python tools/analysis/gates.py configs/retinanet_pvt_tiny_dtn_1x.py work_dirs/retinanet_pvt_tiny_dtn_1x
+"""
+import glob
+import os.path as osp
+import re
+
+import numpy as np
+
+from mmdtn.analysis import cli
+from mmdtn.analysis.models import build_backbone, load_config, load_weights, require_dtn
+from mmdtn.analysis.plotting import heatmap_grid, plt, save
+
+
+def checkpoints_of(path):
+    """``[(step, file)]``: a file, or every ``*.pth`` of a work directory sorted by its number."""
+    if path is None:
+        return [(0, None)]
+    if osp.isfile(path):
+        return [(_step(path), path)]
+    if not osp.isdir(path):
+        raise FileNotFoundError(f'checkpoint file or work directory not found: {path}')
+    files = glob.glob(osp.join(path, '*.pth'))
+    if not files:
+        raise ValueError(f'no checkpoints (*.pth) in work directory {path}')
+    return sorted(((_step(f), f) for f in files), key=lambda sf: (sf[0], sf[1]))
+
+
+def _step(file):
+    found = re.findall(r'\d+', osp.basename(file))
+    return int(found[-1]) if found else 0
+
+
+def gate_values(model, config):
+    """``[(layer, mean_lambda (heads,), var_lambda (heads,))]`` of every DTN layer."""
+    return [(name, m.mean_lambda.detach().cpu().numpy(), m.var_lambda.detach().cpu().numpy())
+            for name, m in require_dtn(model, config, 'gates')]
+
+
+def plot_last(values, title, path):
+    heads = max(len(mv) for _, mv, _ in values)
+    pad = lambda v: np.pad(v, (0, heads - len(v)), constant_values=np.nan)  # noqa: E731
+    mean = np.stack([pad(mv) for _, mv, _ in values])
+    var = np.stack([pad(vv) for _, _, vv in values])
+    fig, axes = plt.subplots(1, 2, figsize=(2.2 + 0.45 * heads * 2, 1.2 + 0.28 * len(values)))
+    for ax, data, name in ((axes[0], mean, 'lambda of the mean'), (axes[1], var, 'lambda of the variance')):
+        im = ax.imshow(data, vmin=0, vmax=1, cmap='coolwarm', aspect='auto')
+        ax.set_title(name, fontsize=8)
+        ax.set_xticks(range(heads))
+        ax.set_xticklabels([str(h + 1) for h in range(heads)], fontsize=6)
+        ax.set_xlabel('head', fontsize=7)
+        ax.set_yticks(range(len(values)))
+        ax.set_yticklabels([n for n, _, _ in values] if ax is axes[0] else [], fontsize=6)
+    fig.colorbar(im, ax=list(axes), fraction=0.03)
+    fig.suptitle(title, fontsize=8)
+    return save(fig, path)
+
+
+def plot_trajectory(trajectory, path, xlabel):
+    layers = list(dict.fromkeys(r['layer'] for r in trajectory))
+    fig, axes = plt.subplots(2, len(layers), figsize=(1.9 * len(layers), 3.6), squeeze=False,
+                             sharey=True)
+    for col, layer in enumerate(layers):
+        lr = [r for r in trajectory if r['layer'] == layer]
+        for row, key in enumerate(('mean_lambda', 'var_lambda')):
+            ax = axes[row][col]
+            for head in sorted({r['head'] for r in lr}):
+                hr = [r for r in lr if r['head'] == head]
+                ax.plot([r['step'] for r in hr], [r[key] for r in hr], lw=1,
+                        color=plt.cm.tab10(head % 10))
+            ax.set_ylim(0, 1)
+            ax.tick_params(labelsize=5)
+            if row == 0:
+                ax.set_title(layer, fontsize=5)
+            else:
+                ax.set_xlabel(xlabel, fontsize=6)
+        axes[0][0].set_ylabel('lambda (mean)', fontsize=7)
+        axes[1][0].set_ylabel('lambda (variance)', fontsize=7)
+    return save(fig, path)
+
+
+def run(argv=None):
+    p = cli.parser('gates', __doc__, checkpoint_help='checkpoint (.pth) or work directory of '
+                   'checkpoints; without it the initialisation is shown')
+    args = p.parse_args(argv)
+    out = cli.prepare(args)
+    cfg = load_config(args.config)
+    model = build_backbone(cfg, args.device, args.config)
+    require_dtn(model, args.config, 'gates')
+    checkpoints = checkpoints_of(args.checkpoint)
+    rows, values = [], []
+    for step, file in cli.progress(checkpoints, 'checkpoints', len(checkpoints)):
+        if file is not None:
+            model = build_backbone(cfg, args.device, args.config)
+            load_weights(model, file, config_path=args.config)
+        values = gate_values(model, args.config)
+        for layer, mv, vv in values:
+            for head in range(len(mv)):
+                rows.append(dict(checkpoint=osp.basename(file) if file else 'initialisation',
+                                 step=step, layer=layer, head=head, mean_lambda=float(mv[head]),
+                                 var_lambda=float(vv[head])))
+    cli.write_csv(osp.join(out, 'gates.csv'), rows)
+    cli.write_json(osp.join(out, 'gates.json'), rows)
+    last = osp.basename(checkpoints[-1][1]) if checkpoints[-1][1] else 'initialisation'
+    plot_last(values, f'DTN gates: {last}', osp.join(out, 'gates.png'))
+    if len(checkpoints) > 1:
+        names = ' '.join(osp.basename(f) for _, f in checkpoints)
+        xlabel = 'epoch' if 'epoch' in names else 'iteration' if 'iter' in names else 'checkpoint'
+        plot_trajectory(rows, osp.join(out, 'gates_trajectory.png'), xlabel)
+    print(f'gates of {len(values)} DTN layers from {len(checkpoints)} checkpoint(s) written to {out}')
+    return rows
+
+
+if __name__ == '__main__':
+    cli.main(run)
