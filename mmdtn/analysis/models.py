@@ -18,7 +18,7 @@ import mmdtn  # noqa: F401  (registers mmdtn's modules and the safe checkpoint l
 
 __all__ = [
     'load_config', 'build_backbone', 'build_model', 'load_weights', 'dtn_layers', 'require_dtn',
-    'transformer_blocks', 'Block', 'ln_twin_config', 'is_dtn', 'count_parameters', 'run',
+    'transformer_blocks', 'Block', 'norm_labels', 'ln_twin_config', 'is_dtn', 'count_parameters', 'run',
     'DTN_ONLY_PARAMETERS'
 ]
 
@@ -207,6 +207,12 @@ def transformer_blocks(model):
             blocks.append(Block(name, m, stage, counts.get(stage, 0)))
             counts[stage] = counts.get(stage, 0) + 1
     return blocks
+
+
+def norm_labels(model):
+    """``{module name: 'stageS.blockB.normK'}`` for the block norms of ``model``."""
+    return {f'{b.name}.{norm}': f'{b.label}.{norm}' for b in transformer_blocks(model)
+            for norm in ('norm1', 'norm2')}
 
 
 def ln_twin_config(cfg):

@@ -25,10 +25,11 @@ def heatmap_grid(maps, path, row_labels=(), col_labels=(), title=None, cmap='vir
     rows, cols = len(maps), max(len(r) for r in maps)
     fig, axes = plt.subplots(rows, cols, figsize=(cell * cols + (0.8 if colorbar else 0),
                                                   cell * rows + (0.4 if title else 0)),
-                             squeeze=False)
+                             squeeze=False, layout='constrained')
     valid = [np.asarray(m) for r in maps for m in r if m is not None]
     lo_all = min(float(m.min()) for m in valid) if valid else 0
     hi_all = max(float(m.max()) for m in valid) if valid else 1
+    titled = set()
     for i in range(rows):
         row_valid = [np.asarray(m) for m in maps[i] if m is not None]
         for j in range(cols):
@@ -49,12 +50,13 @@ def heatmap_grid(maps, path, row_labels=(), col_labels=(), title=None, cmap='vir
             for r, c, colour in (marks[i][j] if marks else None) or []:
                 ax.add_patch(plt.Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor=colour,
                                            linewidth=1.5))
-            if i == 0 and j < len(col_labels):
+            if j not in titled and j < len(col_labels):
                 ax.set_title(col_labels[j], fontsize=8)
+                titled.add(j)
             if j == 0 and i < len(row_labels):
                 ax.set_ylabel(row_labels[i], fontsize=7)
         if colorbar and row_valid:
-            fig.colorbar(im, ax=list(axes[i]), fraction=0.025, pad=0.02)
+            fig.colorbar(im, ax=list(axes[i]), fraction=0.025, pad=0.01)
     if title:
         fig.suptitle(title, fontsize=9)
     return save(fig, path)

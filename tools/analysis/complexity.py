@@ -1,7 +1,8 @@
 """Parameters and FLOPs of the backbone and the whole model, DTN's own operations shown separately.
 
 The format of the DTN paper's Tables 1, 2, 9 and 12: parameters and FLOPs of a DTN model next to
-its LayerNorm twin, at one input size (batch 1). Everything except DTN is counted by mmengine's
+its LayerNorm twin, at one input size (batch 1), the DTN model's FLOPs also with the paper's
+dense P^h (column ``dense P``). Everything except DTN is counted by mmengine's
 ``FlopAnalyzer`` (one multiply-add = one FLOP, LayerNorm = 5 per element); every DynamicTokenNorm
 layer is counted by the formula documented in ``mmdtn/analysis/flops.py``, which depends on the
 layer's channels, heads, token map and pooled grid ceil(H/s) x ceil(W/s). ``DTN FLOPs`` is that
@@ -62,15 +63,21 @@ def _g(v):
 
 
 def table(rows):
-    base = {(r['part_kind']): r for r in rows if r['role'] == 'LN twin'}
-    lines = [f'{"model":34s} {"part":22s} {"params":>9s} {"FLOPs":>9s} {"DTN FLOPs":>10s} '
-             f'{"(dense)":>9s} {"vs LN":>8s}']
+    """The printed table: one line per model and part, FLOPs relative to the LN twin."""
+    base = {r['part_kind']: r for r in rows if r['role'] == 'LN twin'}
+
+    def rel(value, ref):
+        return f'{100 * (value / ref - 1):+.1f}%' if ref else ''
+
+    lines = [f'{"":8s} {"model":28s} {"part":12s} {"params":>8s} {"FLOPs":>8s} {"DTN":>8s} '
+             f'{"vs LN":>7s} {"dense P":>8s} {"vs LN":>7s}']
     for r in rows:
         ref = base.get(r['part_kind'])
-        delta = f'{100 * (r["flops"] / ref["flops"] - 1):+.1f}%' if ref and r is not ref else ''
-        lines.append(f'{r["model"][:34]:34s} {r["part"][:22]:22s} {r["params"] / 1e6:8.2f}M '
-                     f'{_g(r["flops"]):>9s} {_g(r["dtn_flops"]):>10s} {_g(r["dtn_flops_dense"]):>9s} '
-                     f'{delta:>8s}')
+        ref = ref['flops'] if ref and ref is not r else None
+        lines.append(f'{r["role"]:8s} {r["model"][:28]:28s} {r["part"][:12]:12s} '
+                     f'{r["params"] / 1e6:7.2f}M {_g(r["flops"]):>8s} {_g(r["dtn_flops"]):>8s} '
+                     f'{rel(r["flops"], ref):>7s} {_g(r["flops_dense_p"]):>8s} '
+                     f'{rel(r["flops_dense_p"], ref):>7s}')
     return '\n'.join(lines)
 
 
@@ -112,11 +119,12 @@ def run(argv=None):
         else:
             twin = ln_twin_config(cfg)
             if twin is not None:
-                models.append(('LN twin', models[0][1] + ' (LN twin)', twin, args.config + ' (LN twin)'))
+                models.append(('LN twin', models[0][1], twin, args.config + ' (LN twin)'))
     rows, layer_rows = [], []
     for role, label, c, path in cli.progress(models, 'models'):
         for kind, r in zip(('backbone', 'model'), analyse(label, c, path, args.size, args.device)):
-            r.update(role=role, part_kind=kind, input_size=list(args.size))
+            r.update(role=role, part_kind=kind, input_size=list(args.size),
+                     flops_dense_p=r['flops'] - r['dtn_flops'] + r['dtn_flops_dense'])
             for layer in r.pop('dtn_layers'):
                 layer_rows.append(dict(model=label, part=r['part'], **{
                     k: (list(v) if isinstance(v, tuple) else v) for k, v in layer.items()}))

@@ -20,7 +20,8 @@ import re
 import numpy as np
 
 from mmdtn.analysis import cli
-from mmdtn.analysis.models import build_backbone, load_config, load_weights, require_dtn
+from mmdtn.analysis.models import (build_backbone, load_config, load_weights, norm_labels,
+                                   require_dtn)
 from mmdtn.analysis.plotting import heatmap_grid, plt, save
 
 
@@ -45,8 +46,9 @@ def _step(file):
 
 def gate_values(model, config):
     """``[(layer, mean_lambda (heads,), var_lambda (heads,))]`` of every DTN layer."""
-    return [(name, m.mean_lambda.detach().cpu().numpy(), m.var_lambda.detach().cpu().numpy())
-            for name, m in require_dtn(model, config, 'gates')]
+    labels = norm_labels(model)
+    return [(labels.get(name, name), m.mean_lambda.detach().cpu().numpy(),
+             m.var_lambda.detach().cpu().numpy()) for name, m in require_dtn(model, config, 'gates')]
 
 
 def plot_last(values, title, path):

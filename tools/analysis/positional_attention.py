@@ -23,7 +23,8 @@ import torch
 
 from mmdtn.analysis import cli
 from mmdtn.analysis.flops import DTNShapeRecorder
-from mmdtn.analysis.models import build_backbone, load_config, load_weights, require_dtn
+from mmdtn.analysis.models import (build_backbone, load_config, load_weights, norm_labels,
+                                   require_dtn)
 from mmdtn.analysis.plotting import heatmap_grid
 
 
@@ -40,7 +41,7 @@ def dtn_grids(model, size, device):
 
 def positional_rows(model, grids, token):
     """Per DTN layer: (name, module, pooled shape, token (r, c), rows (heads, h, w))."""
-    out = []
+    out, labels = [], norm_labels(model)
     for name, module in require_dtn(model, 'the model', 'positional attention'):
         if name not in grids:
             continue
@@ -51,7 +52,8 @@ def positional_rows(model, grids, token):
         p = module.positional_matrix(hw).detach()
         if p.shape[-1] != h * w:
             raise ValueError(f'{name}: P^h has {p.shape[-1]} columns, pooled grid {h} x {w}')
-        out.append((name, module, (h, w), (r, c), p[:, r * w + c].reshape(-1, h, w).cpu()))
+        out.append((labels.get(name, name), module, (h, w), (r, c),
+                    p[:, r * w + c].reshape(-1, h, w).cpu()))
     return out
 
 

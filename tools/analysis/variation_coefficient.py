@@ -19,6 +19,7 @@ import os.path as osp
 from collections import defaultdict
 
 import numpy as np
+import torch
 
 from mmdtn.analysis import cli
 from mmdtn.analysis.capture import NormRecorder, record
@@ -35,6 +36,7 @@ def variation(x, mu):
     return float(ratio.double().mean()), float(ratio.double().median())
 
 
+@torch.no_grad()
 def layer_variations(records):
     """``{(layer, statistic): (mean, median)}`` for the DTN records of one forward pass."""
     out = {}
