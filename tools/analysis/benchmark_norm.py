@@ -15,6 +15,7 @@ sum of all allocation and free events of PyTorch's CPU allocator recorded by ``t
 Usage::
 
     python tools/analysis/benchmark_norm.py [--device cpu|cuda] [--threads N] [--repeats 5]
+        [--sizes 224 448 ...] [--dense-limit-gb 2]
 """
 import argparse
 import math
@@ -110,7 +111,7 @@ def peak_memory(fn, device):
     return peak
 
 
-def measure(shapes, batch, device, repeats, warmup, dense_limit_gb, progress):
+def measure(shapes, batch, device, repeats, warmup, dense_repeats, dense_limit_gb, progress):
     """Rows of (label, tokens, {'ln'|'dtn'|'dense': (seconds, bytes) or None})."""
     rows = []
     for label, C, H, W, pool, heads in shapes:
@@ -126,6 +127,8 @@ def measure(shapes, batch, device, repeats, warmup, dense_limit_gb, progress):
         times = {k: [] for k in modules}
         for it in range(warmup + repeats):
             for key, module in modules.items():  # side by side: every repeat times all of them
+                if key == 'dense' and not warmup <= it < warmup + dense_repeats:
+                    continue  # tens of times slower: fewer repeats
                 x.grad = None
                 for p in module.parameters():
                     p.grad = None
@@ -176,6 +179,8 @@ def main():
     parser.add_argument('--batch', type=int, default=2)
     parser.add_argument('--repeats', type=int, default=5)
     parser.add_argument('--warmup', type=int, default=2)
+    parser.add_argument('--dense-repeats', type=int, default=1,
+                        help='repeats of the (much slower) dense formulation, after the warm-up')
     parser.add_argument('--sizes', type=int, nargs='+', default=[224, 448, 672, 896, 1120, 1344])
     parser.add_argument('--dense-limit-gb', type=float, default=2.0,
                         help='skip the dense formulation when its T x T tensors exceed this')
@@ -194,11 +199,11 @@ def main():
             sweep.append((f'{size}px {label}', C, side, side, pool, heads))
     progress = ProgressBar(len(PVT_TINY_STAGES) + len(sweep))
     stages = measure(PVT_TINY_STAGES, args.batch, device, args.repeats, args.warmup,
-                     args.dense_limit_gb, progress)
-    sizes = measure(sweep, args.batch, device, args.repeats, args.warmup, args.dense_limit_gb,
-                    progress)
+                     args.dense_repeats, args.dense_limit_gb, progress)
+    sizes = measure(sweep, args.batch, device, args.repeats, args.warmup, args.dense_repeats,
+                    args.dense_limit_gb, progress)
     print(f'\ndevice={device} threads={torch.get_num_threads()} batch={args.batch} '
-          f'repeats={args.repeats} (median), torch {torch.__version__}')
+          f'repeats={args.repeats} (dense {args.dense_repeats}), median, torch {torch.__version__}')
     print_table('PVT-Tiny stages at 800 x 1344 (forward + backward)', stages)
     print_table('Input-size sweep, square inputs (forward + backward)', sizes)
 

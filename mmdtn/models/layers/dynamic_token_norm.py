@@ -364,11 +364,14 @@ def _normalize(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, track):
     B, N, C = x.shape
     lam_m, kap_m, lam_v, kap_v = ratios.unbind(0)
     x6 = grid.view(x)
-    # Eq. 2: intra-token mean and variance (reductions as matrix-vector products)
-    mean_ln = x @ x.new_full((C, 1), 1.0 / C)
-    y = x - mean_ln  # work buffer, becomes the output
+    # Eq. 2: intra-token mean and variance in one fused pass of LayerNorm's kernel (eps = 0 gives
+    # rstd = 1 / sqrt(var), inf for constant tokens: var = 0); its normalised output only serves
+    # as the work buffer that becomes the output
+    y, mean_ln, rstd_ln = torch.native_layer_norm(x, (C, ), None, None, 0.0)
+    var_ln = rstd_ln.square().reciprocal_()
     n_var = C - 1 if convention.unbiased_ln_var else C
-    var_ln = y.square_() @ x.new_full((C, 1), 1.0 / n_var)
+    if n_var != C:
+        var_ln.mul_(C / n_var)
     # Eq. 5 inputs: cell means of x and of (x - centre)^2
     pooled = grid.pool(x)
     centre = pooled.mean(dim=(1, 2), keepdim=True)
