@@ -122,9 +122,13 @@ def make_seg(root: str, splits: Dict[str, int] = None, size=(64, 80), seed=0) ->
 
 
 def det_overrides(data_root: str, img_scale=(128, 96), with_mask=False, max_epochs=1,
-                  batch_size=2, train_split='train', val_split='val') -> str:
-    """Config text that points a detection config at a :func:`make_coco` set, small and short."""
+                  batch_size=2, train_split='train', val_split='val', validate=True) -> str:
+    """Config text that points a detection config at a :func:`make_coco` set, small and short.
+
+    ``validate=False`` turns off validation during training (the test loader stays).
+    """
     data_root = osp.join(data_root, '')
+    no_val = 'val_dataloader = None\nval_cfg = None\nval_evaluator = None\n' if not validate else ''
     ld = f"dict(type='LoadAnnotations', with_bbox=True, with_mask={with_mask})"
     return f"""
 data_root = {data_root!r}
@@ -156,7 +160,7 @@ default_hooks = dict(logger=dict(interval=1), visualization=dict(draw=False))
 log_processor = dict(window_size=1)
 env_cfg = dict(mp_cfg=dict(mp_start_method='fork', opencv_num_threads=1))
 randomness = dict(seed=0)
-"""
+""" + no_val
 
 
 def write_config(path: str, base: str, overrides: str, model: Optional[str] = None) -> str:
