@@ -18,8 +18,11 @@ Usage::
         [--sizes 224 448 ...] [--dense-limit-gb 2]
 """
 import argparse
+import contextlib
 import math
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -89,6 +92,20 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+@contextlib.contextmanager
+def quiet_stderr():
+    """Silence the profiler back end's start/stop messages written to file descriptor 2."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, 'w') as devnull:
+        os.dup2(devnull.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 def peak_memory(fn, device):
     """Peak bytes allocated by ``fn`` above the memory live before it."""
     if device.type == 'cuda':
@@ -98,8 +115,8 @@ def peak_memory(fn, device):
         fn()
         sync(device)
         return torch.cuda.max_memory_allocated(device) - base
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                profile_memory=True) as prof:
+    with quiet_stderr(), torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     # every allocation (+bytes) and free (-bytes) of the CPU allocator, in time order
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()

@@ -341,14 +341,23 @@ def _inter_token_statistics(pooled, second, centre, p_y, p_x):
         centre (Tensor): per-channel constant (B, 1, 1, C) the moments are taken about (rows of P
             sum to 1, so the result does not depend on it; it only avoids cancellation).
         p_y, p_x (Tensor): factors of P^h = P_y^h (kron) P_x^h (Eq. 6).
+
+    Returns:
+        tuple[Tensor, Tensor]: mean and variance, (B, Hp, Wp, C) each.
     """
+    B, Hp, Wp, C = pooled.shape
+    nh = p_x.shape[0]
     pooled_c = pooled - centre
     if second is None:
         second = pooled_c.square()
-    first_moment, second_moment = _apply_positional(torch.stack([pooled_c, second]), p_y, p_x)
-    mean_it = first_moment + centre
-    var_it = (second_moment - first_moment.square()).clamp_min(0)
-    return mean_it, var_it
+    first_moment, second_moment = _apply_positional(pooled_c, second, p_y, p_x)
+    mean_it = torch.empty_like(pooled)
+    mean_it.view(B, Hp, Wp, nh, -1).copy_(first_moment)
+    mean_it.add_(centre)
+    var_it = torch.empty_like(pooled)
+    var_it.view(B, Hp, Wp, nh, -1).copy_(second_moment).addcmul_(
+        first_moment, first_moment, value=-1)
+    return mean_it, var_it.clamp_min(0)
 
 
 def _normalize(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, track):
@@ -375,12 +384,9 @@ def _normalize(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, track):
     # Eq. 5 inputs: cell means of x and of (x - centre)^2
     pooled = grid.pool(x)
     centre = pooled.mean(dim=(1, 2), keepdim=True)
-    second = None
-    if not convention.square_of_pooled:
-        if grid.s == 1:
-            second = (x - centre.flatten(1, 2)).square_().view(pooled.shape)
-        else:
-            second = grid.pool(torch.sub(x, centre.flatten(1, 2), out=y).square_())
+    second = None  # without pooling, the second moment is the square of the (pooled) x itself
+    if grid.s > 1 and not convention.square_of_pooled:
+        second = grid.pool(torch.sub(x, centre.flatten(1, 2), out=y).square_())
     leaves = [t.detach().requires_grad_(track) if t is not None else None
               for t in (pooled, second, p_y, p_x)]
     with torch.set_grad_enabled(track):
@@ -473,15 +479,21 @@ def _softmax(logits):
     return torch.softmax(shifted.clamp_min(_LOGIT_FLOOR), dim=-1)
 
 
-def _apply_positional(z, p_y, p_x):
-    """P^h z for every head: z (K, B, Hp, Wp, C) -> same shape, P^h = P_y^h (kron) P_x^h.
+def _apply_positional(first, second, p_y, p_x):
+    """P^h applied to two cell tensors (B, Hp, Wp, C), P^h = P_y^h (kron) P_x^h.
 
-    Two batched matrix products per head: along W (right-multiplying by P_x^T) and along H
-    (left-multiplying by P_y), on a head-major copy of z."""
-    K, B, Hp, Wp, C = z.shape
+    Two batched matrix products per head on one head-major copy of both inputs: along W
+    (right-multiplying by P_x^T) and along H (left-multiplying by P_y). Returns two
+    (B, Hp, Wp, heads, C / heads) views of the result."""
+    B, Hp, Wp, C = first.shape
     nh = p_x.shape[0]
     d = C // nh
-    t = z.view(K, B, Hp, Wp, nh, d).permute(4, 2, 0, 1, 5, 3).reshape(nh, Hp * K * B * d, Wp)
+
+    def head_major(t):  # (heads, Hp, 1, B, d, Wp) view
+        return t.view(B, Hp, Wp, nh, d).permute(3, 1, 0, 4, 2).unsqueeze(2)
+
+    t = torch.cat([head_major(first), head_major(second)], dim=2).view(nh, Hp * 2 * B * d, Wp)
     t = torch.bmm(t, p_x.transpose(1, 2))  # sum over source column j: P_x[i, j] t[..., j]
-    t = torch.bmm(p_y, t.view(nh, Hp, K * B * d * Wp))  # sum over source row j: P_y[i, j] t[j, ...]
-    return t.view(nh, Hp, K, B, d, Wp).permute(2, 3, 1, 5, 0, 4).reshape(K, B, Hp, Wp, C)
+    t = torch.bmm(p_y, t.view(nh, Hp, 2 * B * d * Wp))  # sum over source row j: P_y[i, j] t[j]
+    t = t.view(nh, Hp, 2, B, d, Wp).permute(2, 3, 1, 5, 0, 4)
+    return t[0], t[1]
