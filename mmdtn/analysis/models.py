@@ -229,11 +229,12 @@ def ln_twin_config(cfg):
     backbone = twin.get('model', {}).get('backbone', None)
     if backbone is None or not str(backbone.get('type', '')).endswith('DTN'):
         return None
-    stock = str(backbone['type'])[:-len('DTN')]
+    stock = str(backbone['type'])[:-len('DTN')].split('.')[-1]  # mmdet's class, from any scope
     stock_cls = MODELS.get(stock)
     if stock_cls is None:
         return None
-    backbone['type'] = stock
+    scope = cfg.get('default_scope', None) or 'mmdet'
+    backbone['type'] = stock if scope == 'mmdet' else f'mmdet.{stock}'
     accepted = set()
     for klass in stock_cls.__mro__:
         if '__init__' in vars(klass):

@@ -66,7 +66,7 @@ def analyse_model(label, config, checkpoint, args):
 def plot(rows, path):
     models = list(dict.fromkeys(r['model'] for r in rows))
     fig, axes = plt.subplots(2, len(models), figsize=(4.2 * len(models), 5.2), squeeze=False,
-                             sharey='row')
+                             sharey='row', layout='constrained')
     for col, model in enumerate(models):
         mrows = [r for r in rows if r['model'] == model]
         stage_of = {r['layer']: r['block'].split('.')[0] for r in mrows}

@@ -11,7 +11,9 @@ formulation. The LN twin is derived from the config (the stock backbone type wit
 settings) unless ``--compare`` names one.
 
 Writes ``complexity.json``, ``complexity.csv`` (one row per model and part), ``complexity_dtn_layers.csv``
-(the formula per DTN layer) and ``complexity.png`` to ``--out`` and prints the table.
+(the formula per DTN layer) and ``complexity.png`` to ``--out`` and prints the table. For
+two-stage detectors the whole-model count includes the RoI heads run on every RPN proposal of the
+``mode='tensor'`` forward, as mmdet's own ``get_flops`` counts them.
 
 Example (the paper's 224 x 224 and a detection size)::
 
@@ -69,13 +71,14 @@ def table(rows):
     def rel(value, ref):
         return f'{100 * (value / ref - 1):+.1f}%' if ref else ''
 
-    lines = [f'{"":8s} {"model":28s} {"part":12s} {"params":>8s} {"FLOPs":>8s} {"DTN":>8s} '
+    lines = [f'{"":8s} {"model":34s} {"part":16s} {"params":>8s} {"FLOPs":>8s} {"DTN":>8s} '
              f'{"vs LN":>7s} {"dense P":>8s} {"vs LN":>7s}']
     for r in rows:
         ref = base.get(r['part_kind'])
         ref = ref['flops'] if ref and ref is not r else None
-        lines.append(f'{r["role"]:8s} {r["model"][:28]:28s} {r["part"][:12]:12s} '
-                     f'{r["params"] / 1e6:7.2f}M {_g(r["flops"]):>8s} {_g(r["dtn_flops"]):>8s} '
+        dtn = _g(r['dtn_flops']) if r['dtn_flops'] else '-'
+        lines.append(f'{r["role"]:8s} {r["model"][:34]:34s} {r["part"][:16]:16s} '
+                     f'{r["params"] / 1e6:7.2f}M {_g(r["flops"]):>8s} {dtn:>8s} '
                      f'{rel(r["flops"], ref):>7s} {_g(r["flops_dense_p"]):>8s} '
                      f'{rel(r["flops_dense_p"], ref):>7s}')
     return '\n'.join(lines)
@@ -83,7 +86,8 @@ def table(rows):
 
 def plot(rows, path):
     parts = list(dict.fromkeys(r['part_kind'] for r in rows))
-    fig, axes = plt.subplots(1, len(parts), figsize=(3.2 * len(parts), 2.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(parts), figsize=(3.2 * len(parts), 2.8), squeeze=False,
+                             layout='constrained')
     for ax, part in zip(axes[0], parts):
         pr = [r for r in rows if r['part_kind'] == part]
         names = [r['role'] for r in pr]
@@ -91,7 +95,7 @@ def plot(rows, path):
         dtn = [r['dtn_flops'] / 1e9 for r in pr]
         ax.bar(names, other, color='0.6', label='other operations')
         ax.bar(names, dtn, bottom=other, color='tab:red', label='DTN (formula)')
-        ax.set_title(pr[0]['part'], fontsize=8)
+        ax.set_title(f"{pr[0]['part']}, {pr[0]['input_size'][0]} x {pr[0]['input_size'][1]}", fontsize=8)
         ax.set_ylabel('GFLOPs', fontsize=8)
         ax.tick_params(labelsize=7)
     axes[0][0].legend(fontsize=6)

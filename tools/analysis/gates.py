@@ -70,26 +70,33 @@ def plot_last(values, title, path):
     return save(fig, path)
 
 
-def plot_trajectory(trajectory, path, xlabel):
+def plot_trajectory(trajectory, path, xlabel, max_cols=6):
+    """Per DTN layer, lambda of the mean (upper panel) and of the variance (lower) of each head."""
     layers = list(dict.fromkeys(r['layer'] for r in trajectory))
-    fig, axes = plt.subplots(2, len(layers), figsize=(1.9 * len(layers), 3.6), squeeze=False,
-                             sharey=True)
-    for col, layer in enumerate(layers):
+    cols = min(max_cols, len(layers))
+    groups = -(-len(layers) // cols)
+    fig, axes = plt.subplots(2 * groups, cols, figsize=(2.1 * cols, 3.4 * groups), squeeze=False,
+                             sharey=True, layout='constrained')
+    for ax in axes.flat:
+        ax.set_visible(False)
+    for k, layer in enumerate(layers):
         lr = [r for r in trajectory if r['layer'] == layer]
-        for row, key in enumerate(('mean_lambda', 'var_lambda')):
-            ax = axes[row][col]
+        for part, key in enumerate(('mean_lambda', 'var_lambda')):
+            ax = axes[2 * (k // cols) + part][k % cols]
+            ax.set_visible(True)
             for head in sorted({r['head'] for r in lr}):
                 hr = [r for r in lr if r['head'] == head]
                 ax.plot([r['step'] for r in hr], [r[key] for r in hr], lw=1,
-                        color=plt.cm.tab10(head % 10))
+                        color=plt.cm.tab10(head % 10), label=f'head {head + 1}')
             ax.set_ylim(0, 1)
-            ax.tick_params(labelsize=5)
-            if row == 0:
-                ax.set_title(layer, fontsize=5)
+            ax.tick_params(labelsize=6)
+            if part == 0:
+                ax.set_title(layer, fontsize=7)
             else:
-                ax.set_xlabel(xlabel, fontsize=6)
-        axes[0][0].set_ylabel('lambda (mean)', fontsize=7)
-        axes[1][0].set_ylabel('lambda (variance)', fontsize=7)
+                ax.set_xlabel(xlabel, fontsize=7)
+            if k % cols == 0:
+                ax.set_ylabel('lambda ' + ('(mean)' if part == 0 else '(variance)'), fontsize=7)
+    axes[0][0].legend(fontsize=5, loc='lower left')
     return save(fig, path)
 
 
