@@ -194,3 +194,31 @@ def test_dual_patchnorm_on_and_off():
         assert sum(isinstance(m, PatchNormConv2d) for m in on.modules()) == 1
     with pytest.raises(ValueError, match='patch_norm=False'):
         SwinTransformerDTN(depths=(2, 2, 2, 2), patch_norm=False, dual_patchnorm=True)
+
+
+@pytest.mark.parametrize('recipe', ['pvt', 'swin'])
+def test_proposed_paramwise_cfg_removes_decay_from_gates_and_positions_only(recipe):
+    """PVT recipe (no paramwise_cfg): only DTN's gates and a^h lose weight decay; Swin recipe
+    ('norm' -> decay_mult=0): DTN's weight/bias lose it too, like the LayerNorms they replace."""
+    from mmengine.optim import DefaultOptimWrapperConstructor
+    custom_keys = dict(mean_gate=dict(decay_mult=0.), var_gate=dict(decay_mult=0.),
+                       pos_coef=dict(decay_mult=0.))
+    if recipe == 'swin':
+        custom_keys.update(norm=dict(decay_mult=0.), absolute_pos_embed=dict(decay_mult=0.),
+                           relative_position_bias_table=dict(decay_mult=0.))
+    detector = nn.Module()
+    detector.backbone = (SwinTransformerDTN(embed_dims=24, depths=(2, 2, 2, 2)) if recipe == 'swin'
+                         else PyramidVisionTransformerDTN(num_layers=[1, 1, 1, 1]))
+    constructor = DefaultOptimWrapperConstructor(
+        dict(optimizer=dict(type='AdamW', lr=1e-4, weight_decay=0.05)),
+        paramwise_cfg=dict(custom_keys=custom_keys))
+    groups = constructor(detector).optimizer.param_groups
+    decay = {id(p): g['weight_decay'] for g in groups for p in g['params']}
+    for name, module in detector.named_modules():
+        if isinstance(module, DynamicTokenNorm):
+            for p in ('mean_gate', 'var_gate', 'pos_coef'):
+                assert decay[id(getattr(module, p))] == 0, f'{name}.{p}'
+            expected = 0 if recipe == 'swin' else 0.05
+            assert decay[id(module.weight)] == decay[id(module.bias)] == expected, name
+    assert decay[id(detector.backbone.patch_embed.projection.weight if recipe == 'swin'
+                    else detector.backbone.layers[0][0].projection.weight)] == 0.05

@@ -1,0 +1,268 @@
+"""Cost of the DTN backbones against mmdet's stock LayerNorm backbones, side by side in one run.
+
+Prints three tables:
+
+1. parameters and FLOPs at 224 x 224 and 800 x 1344 (batch 1). FLOPs are counted by mmengine's
+   ``FlopAnalyzer`` on the stock backbone (one multiply-add = one FLOP, LayerNorm = 5 per element,
+   plus a handle for ``scaled_dot_product_attention``, which the analyzer does not know); for the
+   DTN backbone the analyzer's count of every replaced LayerNorm is swapped for DTN's own count
+   (:func:`dtn_flops`, from the shapes each DTN layer sees in a forward pass), and Dual PatchNorm's
+   patch statistics are added likewise;
+2. forward + backward time per iteration (median over ``--repeats``, the two models alternating
+   iteration by iteration so that both see the same machine load);
+3. peak memory of one forward + backward pass, each measured in a fresh process (CUDA: the
+   allocator's peak; CPU: growth of the process's peak resident set size).
+
+Example::
+
+    python tools/analysis/benchmark_backbones.py                     # 800x1344, batch 1 and 2
+    python tools/analysis/benchmark_backbones.py --models pvt_tiny --batches 1 --repeats 2
+"""
+import argparse
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+# name -> (stock type, DTN type, kwargs shared by both)
+MODELS = {
+    'pvt_tiny': ('PyramidVisionTransformer', 'PyramidVisionTransformerDTN',
+                 dict(num_layers=[2, 2, 2, 2])),
+    'pvtv2_b0': ('PyramidVisionTransformerV2', 'PyramidVisionTransformerV2DTN',
+                 dict(embed_dims=32, num_layers=[2, 2, 2, 2])),
+    'pvtv2_b2': ('PyramidVisionTransformerV2', 'PyramidVisionTransformerV2DTN',
+                 dict(embed_dims=64, num_layers=[3, 4, 6, 3])),
+    'swin_t': ('SwinTransformer', 'SwinTransformerDTN', dict()),
+}
+PAPER_FLOPS = {'pvt_tiny': (1.90, 2.05), 'swin_t': (4.51, 5.09)}  # DTN paper, Table 2 (224)
+
+
+def build(name, variant, **extra):
+    """The stock ('ln') or DTN ('dtn') backbone ``name``, initialised from scratch."""
+    import mmdtn  # noqa: F401  (registers the DTN backbones)
+    from mmdet.registry import MODELS as REG
+    stock_type, dtn_type, kwargs = MODELS[name]
+    cfg = dict(type=dtn_type if variant == 'dtn' else stock_type, **kwargs)
+    cfg.update(extra if variant == 'dtn' else {})
+    model = REG.build(cfg)
+    model.init_weights()
+    return model
+
+
+def dtn_flops(norm, batch, hw_shape):
+    """FLOPs of one DynamicTokenNorm call on (batch, H*W, C) tokens (multiply-add = 1).
+
+    Per token and channel: intra-token mean/variance (3), pooling of x and x^2 (3 if s > 1), the
+    mixing of Eq. 5 (4) and the normalisation of Eq. 4 (5); per pooled cell and channel: centring,
+    inter-token variance and gating (8); and the positional matrix applied to both moments as two
+    axis products (Eq. 6 factorised): 2 * C * T * (Hp + Wp) multiply-adds for T = Hp * Wp cells.
+    Building P_y and P_x costs ~6 * heads * (Hp^2 + Wp^2).
+    """
+    H, W = hw_shape
+    C = norm.num_features
+    Hp, Wp = norm.pooled_shape(hw_shape)
+    N, T = H * W, Hp * Wp
+    per_token = 3 + (3 if norm.pool_size > 1 else 0) + 4 + 5
+    flops = per_token * N * C + 8 * T * C + 2 * C * T * (Hp + Wp)
+    return batch * flops + 6 * norm.num_heads * (Hp * Hp + Wp * Wp)
+
+
+def dpn_flops(conv, batch, out_hw):
+    """Extra FLOPs of Dual PatchNorm over the plain projection: the two box sums of the patch
+    statistics (per output position: 2 * D), the input square/sum (2 * C_in per pixel, counted
+    per output position * stride^2) and the per-output-channel correction (3 per output)."""
+    D = conv.patch_norm.normalized_shape[0]
+    out = out_hw[0] * out_hw[1]
+    stride = conv.stride[0] * conv.stride[1]
+    return batch * (out * 2 * D + out * stride * 2 * conv.in_channels + 3 * out * conv.out_channels)
+
+
+def sdpa_flop_handle(inputs, outputs):
+    """``aten::scaled_dot_product_attention``: Q K^T and A V, 2 * B * heads * Nq * Nk * d."""
+    from mmengine.analysis.jit_handles import get_shape
+    q, k = get_shape(inputs[0]), get_shape(inputs[1])
+    return 2 * math.prod(q[:-1]) * k[-2] * q[-1]
+
+
+def count_flops(name, size):
+    """(params, flops) of the stock and the DTN backbone at ``size`` (batch 1)."""
+    from mmengine.analysis import FlopAnalyzer
+    from mmdtn.models.layers import DynamicTokenNorm
+    from mmdtn.models.layers.dual_patchnorm import PatchNormConv2d
+    x = torch.randn(1, 3, *size)
+    result = {}
+    stock = build(name, 'ln')
+    stock.eval()  # (mmdet's Swin.train() returns None: no chaining)
+    analyzer = FlopAnalyzer(stock, (x, ))
+    analyzer.set_op_handle('aten::scaled_dot_product_attention', sdpa_flop_handle)
+    analyzer.unsupported_ops_warnings(False).uncalled_modules_warnings(False)
+    stock_total, by_module = analyzer.total(), analyzer.by_module()
+    result['ln'] = (sum(p.numel() for p in stock.parameters()), stock_total)
+
+    for variant, extra in (('dtn', {}), ('dtn+dpn', dict(dual_patchnorm=True))):
+        model = build(name, 'dtn', **extra)
+        model.eval()
+        calls = []
+        hooks = [m.register_forward_hook(
+            lambda m, args, out, n=n: calls.append((n, m, args))) for n, m in model.named_modules()
+            if isinstance(m, (DynamicTokenNorm, PatchNormConv2d))]
+        with torch.no_grad():
+            model(x)
+        for h in hooks:
+            h.remove()
+        total = stock_total
+        for n, m, args in calls:
+            if isinstance(m, DynamicTokenNorm):
+                total += dtn_flops(m, args[0].shape[0], args[1]) - by_module.get(n, 0)
+            else:
+                out_hw = [(s + 2 * p - d * (k - 1) - 1) // st + 1 for s, p, d, k, st in zip(
+                    args[0].shape[2:], m.padding, m.dilation, m.kernel_size, m.stride)]
+                total += dpn_flops(m, args[0].shape[0], out_hw)
+        result[variant] = (sum(p.numel() for p in model.parameters()), total)
+    return result
+
+
+def step(model, x):
+    outs = model(x)
+    sum(o.float().mean() for o in outs).backward()
+
+
+def sync(device):
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+
+
+def time_pair(name, batch, size, repeats, device):
+    """Median fwd+bwd seconds of the stock and DTN backbones, iterations alternating."""
+    models = {v: build(name, v).to(device) for v in ('ln', 'dtn')}
+    x = torch.randn(batch, 3, *size, device=device)
+    times = {v: [] for v in models}
+    for v, m in models.items():  # warm-up (also fills DTN's caches)
+        step(m, x)
+    for _ in range(repeats):
+        for v, m in models.items():
+            m.zero_grad(set_to_none=True)
+            sync(device)
+            t0 = time.perf_counter()
+            step(m, x)
+            sync(device)
+            times[v].append(time.perf_counter() - t0)
+    return {v: statistics.median(t) for v, t in times.items()}
+
+
+def _rss_bytes():
+    with open('/proc/self/statm') as f:
+        return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+
+
+def peak_memory_worker(name, variant, batch, size, device):
+    """Peak memory (bytes) of one fwd+bwd, in this fresh process."""
+    model = build(name, variant).to(device)
+    x = torch.randn(batch, 3, *size, device=device)
+    if device.type == 'cuda':
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        step(model, x)
+        return torch.cuda.max_memory_allocated(device) - base
+    base = _rss_bytes()
+    step(model, x)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+
+
+def peak_memory(name, variant, batch, size, device):
+    cmd = [sys.executable, os.path.abspath(__file__), '--worker', name, variant, str(batch),
+           f'{size[0]}x{size[1]}', '--device', str(device)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])['peak']
+
+
+def parse_size(text):
+    h, _, w = text.partition('x')
+    return (int(h), int(w or h))
+
+
+def table(title, header, rows):
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    line = '  '.join(f'{{:>{w}}}' for w in widths)
+    print(f'\n{title}')
+    print(line.format(*header))
+    print('  '.join('-' * w for w in widths))
+    for r in rows:
+        print(line.format(*r))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--models', nargs='+', default=['pvt_tiny', 'pvtv2_b0', 'swin_t'],
+                        choices=list(MODELS))
+    parser.add_argument('--size', default='800x1344', help='HxW of time/memory runs')
+    parser.add_argument('--batches', nargs='+', type=int, default=[1, 2])
+    parser.add_argument('--flops-sizes', nargs='+', default=['224x224', '800x1344'])
+    parser.add_argument('--repeats', type=int, default=3, help='timed iterations per model')
+    parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
+    parser.add_argument('--threads', type=int, default=None, help='torch CPU threads')
+    parser.add_argument('--skip', nargs='*', default=[], choices=['flops', 'time', 'memory'])
+    parser.add_argument('--worker', nargs=4, metavar=('MODEL', 'VARIANT', 'BATCH', 'SIZE'),
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    if args.worker:
+        name, variant, batch, size = args.worker
+        peak = peak_memory_worker(name, variant, int(batch), parse_size(size), device)
+        print(json.dumps({'peak': peak}))
+        return
+
+    size = parse_size(args.size)
+    print(f'device={device}, torch threads={torch.get_num_threads()}, time/memory input '
+          f'{size[0]}x{size[1]}, batches {args.batches}, {args.repeats} timed iterations')
+    if 'flops' not in args.skip:
+        rows = []
+        for name in tqdm(args.models, desc='FLOPs'):
+            for fs in args.flops_sizes:
+                r = count_flops(name, parse_size(fs))
+                (p_ln, f_ln), (p_dtn, f_dtn), (_, f_dpn) = r['ln'], r['dtn'], r['dtn+dpn']
+                paper = PAPER_FLOPS.get(name)
+                paper_txt = (f'{paper[0]:.2f}G->{paper[1]:.2f}G '
+                             f'(+{100 * (paper[1] / paper[0] - 1):.1f}%)'
+                             if paper and fs == '224x224' else '')
+                rows.append([name, fs, f'{p_ln / 1e6:.3f}M', f'{p_dtn / 1e6:.3f}M',
+                             f'{f_ln / 1e9:.3f}G', f'{f_dtn / 1e9:.3f}G',
+                             f'+{100 * (f_dtn / f_ln - 1):.2f}%',
+                             f'+{100 * (f_dpn / f_ln - 1):.2f}%', paper_txt])
+        table('Parameters and FLOPs (batch 1; FLOPs = multiply-adds)',
+              ['model', 'input', 'params LN', 'params DTN', 'FLOPs LN', 'FLOPs DTN', 'DTN',
+               'DTN+DPN', 'paper LN->DTN'], rows)
+
+    if 'time' not in args.skip:
+        rows = []
+        jobs = [(n, b) for n in args.models for b in args.batches]
+        for name, batch in tqdm(jobs, desc='fwd+bwd time'):
+            t = time_pair(name, batch, size, args.repeats, device)
+            rows.append([name, batch, f'{t["ln"]:.2f}', f'{t["dtn"]:.2f}',
+                         f'{t["dtn"] / t["ln"]:.3f}x'])
+        table(f'Forward+backward time per iteration at {size[0]}x{size[1]} (s, median)',
+              ['model', 'batch', 'LN', 'DTN', 'DTN/LN'], rows)
+
+    if 'memory' not in args.skip:
+        rows = []
+        jobs = [(n, b) for n in args.models for b in args.batches]
+        for name, batch in tqdm(jobs, desc='peak memory'):
+            m = {v: peak_memory(name, v, batch, size, device) for v in ('ln', 'dtn')}
+            rows.append([name, batch, f'{m["ln"] / 2**20:.0f}', f'{m["dtn"] / 2**20:.0f}',
+                         f'{m["dtn"] / m["ln"]:.3f}x'])
+        table(f'Peak memory of one forward+backward at {size[0]}x{size[1]} (MiB above the '
+              'built model)', ['model', 'batch', 'LN', 'DTN', 'DTN/LN'], rows)
+
+
+if __name__ == '__main__':
+    main()
