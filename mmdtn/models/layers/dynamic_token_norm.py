@@ -346,18 +346,14 @@ def _inter_token_statistics(pooled, second, centre, p_y, p_x):
         tuple[Tensor, Tensor]: mean and variance, (B, Hp, Wp, C) each.
     """
     B, Hp, Wp, C = pooled.shape
-    nh = p_x.shape[0]
     pooled_c = pooled - centre
     if second is None:
         second = pooled_c.square()
-    first_moment, second_moment = _apply_positional(pooled_c, second, p_y, p_x)
-    mean_it = torch.empty_like(pooled)
-    mean_it.view(B, Hp, Wp, nh, -1).copy_(first_moment)
-    mean_it.add_(centre)
-    var_it = torch.empty_like(pooled)
-    var_it.view(B, Hp, Wp, nh, -1).copy_(second_moment).addcmul_(
-        first_moment, first_moment, value=-1)
-    return mean_it, var_it.clamp_min(0)
+    moments = _apply_positional(pooled_c, second, p_y, p_x)
+    first_moment, second_moment = (t.reshape(B, Hp, Wp, C) for t in moments)
+    mean_it = first_moment + centre
+    var_it = torch.addcmul(second_moment, first_moment, first_moment, value=-1).clamp_min(0)
+    return mean_it, var_it
 
 
 def _normalize(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, track):
