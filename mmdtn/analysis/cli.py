@@ -29,6 +29,9 @@ def parser(tool, description, checkpoint_help='checkpoint (.pth) of the model, a
                    help='output folder for the figures (PNG) and numbers (CSV/JSON) '
                         '(default: %(default)s)')
     p.add_argument('--device', default='cpu', help='torch device, e.g. cpu or cuda:0 (default: cpu)')
+    p.add_argument('--pretrained', action='store_true',
+                   help="start from the backbone's init_cfg (e.g. the config's ImageNet checkpoint) "
+                        'instead of a random initialisation; CHECKPOINT, if given, is loaded on top')
     return p
 
 
@@ -42,7 +45,7 @@ def add_images_args(p):
 
 
 def add_compare_arg(p, what='side by side'):
-    p.add_argument('--compare', nargs='+', metavar='CONFIG_OR_CHECKPOINT', default=None,
+    p.add_argument('--compare', nargs='+', metavar='ARG', default=None,
                    help=f'a second model shown {what}: CONFIG2 [CHECKPOINT2], e.g. the LN twin of '
                         f'a DTN config')
     return p
@@ -70,10 +73,10 @@ def prepare(args):
     return args.out
 
 
-def load_backbone(config, checkpoint=None, device='cpu'):
+def load_backbone(config, checkpoint=None, device='cpu', pretrained=False):
     """``(cfg, backbone)``: the config's backbone with the checkpoint's weights (if given)."""
     cfg = load_config(config)
-    model = build_backbone(cfg, device, config_path=config)
+    model = build_backbone(cfg, device, config_path=config, pretrained=pretrained)
     if checkpoint is not None:
         load_weights(model, checkpoint, config_path=config)
     return cfg, model.eval()

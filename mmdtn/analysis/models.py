@@ -47,11 +47,12 @@ def _model_cfg(cfg, config_path='config'):
     return model
 
 
-def build_backbone(cfg, device='cpu', config_path='config'):
-    """Build ``cfg.model.backbone`` (randomly initialised, as training from scratch starts).
+def build_backbone(cfg, device='cpu', config_path='config', pretrained=False):
+    """Build ``cfg.model.backbone`` in eval mode on ``device``.
 
-    ``init_cfg`` (pretrained weights) is dropped: weights come from the checkpoint given to the tool.
-    The backbone is returned in eval mode on ``device``.
+    By default it is randomly initialised as training from scratch starts: ``init_cfg`` (pretrained
+    weights) is dropped, weights come from the checkpoint given to the tool. ``pretrained=True``
+    keeps ``init_cfg``, so that ``init_weights`` loads e.g. the config's ImageNet checkpoint.
     """
     from mmengine.registry import MODELS
     model_cfg = _model_cfg(cfg, config_path)
@@ -59,8 +60,9 @@ def build_backbone(cfg, device='cpu', config_path='config'):
     if backbone_cfg is None:
         raise ValueError(f'{config_path} has no `model.backbone` entry to analyse')
     backbone_cfg = copy.deepcopy(backbone_cfg)
-    backbone_cfg.pop('init_cfg', None)
-    backbone_cfg.pop('pretrained', None)
+    if not pretrained:
+        backbone_cfg.pop('init_cfg', None)
+        backbone_cfg.pop('pretrained', None)
     _scope(cfg)
     backbone = MODELS.build(backbone_cfg)
     if hasattr(backbone, 'init_weights'):

@@ -13,7 +13,7 @@ a dot per head and layer, like the paper's Fig. 2) to ``--out``.
 Example::
 
     python tools/analysis/attention_distance.py configs/retinanet_pvt_tiny_dtn_1x.py ckpt.pth \\
-        --images my_images/ --compare configs/retinanet_pvt_tiny_1x.py ln_ckpt.pth
+        --images my_images/ --compare configs/retinanet_pvt_tiny_ln_1x.py ln_ckpt.pth
 """
 import os.path as osp
 from collections import defaultdict
@@ -41,7 +41,7 @@ def layer_distances(records, image_hw):
 
 def analyse_model(label, config, checkpoint, args):
     """Rows (one per layer and head) of the mean attention distance of one model over the images."""
-    cfg, model = cli.load_backbone(config, checkpoint, args.device)
+    cfg, model = cli.load_backbone(config, checkpoint, args.device, args.pretrained)
     images = cli.images_of(args, cfg)
     per_layer = defaultdict(list)
     meta = {}

@@ -106,13 +106,13 @@ def run(argv=None):
     args = p.parse_args(argv)
     out = cli.prepare(args)
     cfg = load_config(args.config)
-    model = build_backbone(cfg, args.device, args.config)
+    model = build_backbone(cfg, args.device, args.config, args.pretrained)
     require_dtn(model, args.config, 'gates')
     checkpoints = checkpoints_of(args.checkpoint)
     rows, values = [], []
     for step, file in cli.progress(checkpoints, 'checkpoints', len(checkpoints)):
         if file is not None:
-            model = build_backbone(cfg, args.device, args.config)
+            model = build_backbone(cfg, args.device, args.config, args.pretrained)
             load_weights(model, file, config_path=args.config)
         values = gate_values(model, args.config)
         for layer, mv, vv in values:

@@ -92,12 +92,12 @@ def run(argv=None):
     args = p.parse_args(argv)
     out = cli.prepare(args)
     cfg = load_config(args.config)
-    model = build_backbone(cfg, args.device, args.config)
+    model = build_backbone(cfg, args.device, args.config, args.pretrained)
     require_dtn(model, args.config, 'positional attention')
     grids = dtn_grids(model, args.size, args.device)
     states = [('before', model)]
     if args.checkpoint:
-        trained = build_backbone(cfg, args.device, args.config)
+        trained = build_backbone(cfg, args.device, args.config, args.pretrained)
         load_weights(trained, args.checkpoint, config_path=args.config)
         states = [('before', model), ('after', trained)]
     rows, arrays = [], {}

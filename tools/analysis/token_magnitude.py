@@ -15,7 +15,7 @@ Writes per norm layer ``token_magnitude_<layer>.png`` (rows: before/after per mo
 Example (LN vs DTN side by side)::
 
     python tools/analysis/token_magnitude.py configs/retinanet_pvt_tiny_dtn_1x.py dtn.pth \\
-        --images photo.jpg --compare configs/retinanet_pvt_tiny_1x.py ln.pth
+        --images photo.jpg --compare configs/retinanet_pvt_tiny_ln_1x.py ln.pth
 """
 import os.path as osp
 
@@ -44,7 +44,7 @@ def magnitude_maps(x, hw_shape, groups):
 
 def record_norms(config, checkpoint, args):
     """The norm records of one model for the chosen image."""
-    cfg, model = cli.load_backbone(config, checkpoint, args.device)
+    cfg, model = cli.load_backbone(config, checkpoint, args.device, args.pretrained)
     images = cli.images_of(args, cfg)
     if not 0 <= args.image_index < len(images):
         raise ValueError(f'--image-index {args.image_index} out of range: {len(images)} image(s)')

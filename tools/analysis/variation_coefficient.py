@@ -73,7 +73,7 @@ def run(argv=None):
     cli.add_images_args(p)
     args = p.parse_args(argv)
     out = cli.prepare(args)
-    cfg, model = cli.load_backbone(args.config, args.checkpoint, args.device)
+    cfg, model = cli.load_backbone(args.config, args.checkpoint, args.device, args.pretrained)
     require_dtn(model, args.config, 'variation coefficient')
     images = cli.images_of(args, cfg)
     values = defaultdict(list)
