@@ -136,12 +136,15 @@ def test_semantic_fpn_pvt_tiny_dtn_train_then_miou(tmp_path):
     work = tmp_path / 'work'
     assert_ok(*run([sys.executable, TRAIN, cfg, '--work-dir', work], tmp_path))
     rc, out = run([sys.executable, TEST, cfg, work / 'iter_3.pth', '--work-dir', tmp_path / 'test',
-                   '--out', tmp_path / 'pred_maps'], tmp_path)
+                   '--out', tmp_path / 'pred_maps', '--show-dir', tmp_path / 'painted'], tmp_path)
     assert rc == 0, out[-4000:]
     assert 'per class results:' in out and 'mIoU' in out
+    for name in ('background', 'square', 'disc'):
+        assert re.search(rf'\|\s+{name}\s+\|\s+[0-9.]+\s+\|', out), out[-3000:]
     miou = float(re.search(r'mIoU: ([0-9.]+)', out).group(1))
     assert 0 <= miou <= 100
     assert len(os.listdir(tmp_path / 'pred_maps')) == 2
+    assert len(os.listdir(tmp_path / 'painted' / 'vis_data' / 'vis_image')) == 2
 
 
 def test_dist_train_two_cpu_processes_gloo(tmp_path, coco_root):

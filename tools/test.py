@@ -8,7 +8,7 @@ The config's evaluator prints the standard tables: COCO bbox / segm AP from mmde
 per-class IoU / Acc and mIoU from mmseg's IoUMetric. ``--out``: detection predictions are dumped to
 a .pkl file (mmdet's DumpDetResults); segmentation predictions are written as PNG label maps into
 that directory (IoUMetric's output_dir). ``--show-dir``: painted predictions (detection: under
-work_dir/<timestamp>/, as mmdet; segmentation: the visualizer's save_dir).
+work_dir/<timestamp>/, as mmdet; segmentation: under that directory's vis_data/vis_image/).
 """
 import argparse
 import os
@@ -59,11 +59,16 @@ def fail(message: str) -> None:
 
 
 def _seg_visualization(cfg, args):
-    """mmseg's way of turning on painted predictions (mmseg's tools/test.py)."""
+    """mmseg's way of turning on painted predictions (mmseg's tools/test.py), for every image.
+
+    mmseg's SegVisualizationHook paints every 50th image by default; here every test image is
+    painted, as mmdet's hook does.
+    """
     hook = cfg.default_hooks.get('visualization')
     if hook is None:
         fail("--show/--show-dir need default_hooks.visualization (e.g. SegVisualizationHook)")
     hook['draw'] = True
+    hook['interval'] = 1
     if args.show:
         hook['show'] = True
         hook['wait_time'] = args.wait_time
