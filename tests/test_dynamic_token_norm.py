@@ -1,4 +1,4 @@
-"""DynamicTokenNorm (Shao et al., ICLR 2022, Eqs. 4-7) against dense formulas, limits and bad input."""
+"""DynamicTokenNorm (Shao et al., ICLR 2022, Eqs. 4-7) against dense formulas, limits, bad input."""
 import math
 
 import pytest
@@ -11,7 +11,7 @@ from mmdtn.models.layers.dynamic_token_norm import neighbourhood_offsets
 
 # ----------------------------------------------------------------------------- dense reference
 def dense_positional_matrix(pos_coef, Hp, Wp):
-    """P^h = softmax_j(a^h . R_ij), R_ij = [dx^2 + dy^2, dx, dy] built as a T x T x 3 tensor (Eq. 6)."""
+    """P^h = softmax_j(a^h . R_ij), R_ij = [dx^2 + dy^2, dx, dy] as a T x T x 3 tensor (Eq. 6)."""
     ys, xs = torch.meshgrid(torch.arange(Hp), torch.arange(Wp), indexing='ij')
     ys, xs = ys.flatten().to(pos_coef.dtype), xs.flatten().to(pos_coef.dtype)
     dx = xs[None, :] - xs[:, None]  # source column minus output column

@@ -10,7 +10,8 @@ For tokens x (T x C) split into H contiguous channel groups ("heads") x^h::
     a^h       = [-1, 2 Dx^h, 2 Dy^h] at initialisation                                  (Eq. 7)
 
 with mu_ln, var_ln the per-token mean and (biased) variance over all C channels (Eq. 2), lam =
-sigmoid(gate) and (dx, dy) the column and row of the source token j minus those of the output token i.
+sigmoid(gate) and (dx, dy) the column and row of the source token j minus those of the output
+token i.
 
 Implementation notes:
 
@@ -21,9 +22,12 @@ Implementation notes:
 - ``pool_size`` s > 1 computes the inter-token statistics on the ceil(H/s) x ceil(W/s) grid of
   average-pooled cells (border cells average only real tokens, distances in cells) and every token
   takes the statistics of its cell (the paper's "global average pooling", App. B.1).
+- The full-resolution part (Eqs. 2, 4, 5) has a hand-written backward and works in place in two
+  buffers per pass (large allocations cost more than passes over memory on CPUs); autograd handles
+  the small cell-grid part inside it. ``torch.autograd.gradcheck`` verifies it in the tests.
 - Statistics are computed in float32 (or float64) even under autocast; the output has x's dtype. The
-  inter-token moments are taken about a per-channel constant (exact, since rows of P sum to 1), which
-  avoids the cancellation of E[x^2] - E[x]^2 for features with large offsets.
+  inter-token moments are taken about a per-channel constant (exact, since rows of P sum to 1),
+  which avoids the cancellation of E[x^2] - E[x]^2 for features with large offsets.
 """
 import functools
 import math
@@ -221,14 +225,16 @@ class DynamicTokenNorm(nn.Module):
                 xc, dim=-1, keepdim=True, correction=1 if conv.unbiased_ln_var else 0)
             pooled = grid.pool(xc)
             centre = pooled.detach().mean(dim=(1, 2), keepdim=True)
-            second = None if conv.square_of_pooled else grid.pool((xc - centre.flatten(1, 2)).square())
+            second = None
+            if not conv.square_of_pooled:
+                second = grid.pool((xc - centre.flatten(1, 2)).square())
             p_y, p_x = self.axis_matrices((H, W), dtype=xc.dtype)
             mean_it, var_it = _inter_token_statistics(pooled, second, centre, p_y, p_x)
 
             def to_tokens(t):
                 return grid.cells(t).expand(grid.shape6).reshape(B, N, C)
 
-            lam_m, kap_m, lam_v, kap_v = self._channel_ratios(xc.dtype).unbind(0)
+            _, kap_m, lam_v, kap_v = self._channel_ratios(xc.dtype).unbind(0)
             mean_it, var_it = to_tokens(mean_it), to_tokens(var_it)
             return {
                 'mean_ln': mean_ln,
@@ -297,9 +303,9 @@ class _Grid:
     """Layout helpers for tokens (B, N, C) on an H x W grid with s x s pooling cells.
 
     ``view(t)`` shows a token tensor (B, N, k) as (B, Hc, sy, Wc, sx, k) and ``cells(t)`` a cell
-    tensor (B, Hp, Wp, C) as (B, Hc, 1, Wc, 1, C), so that cell statistics broadcast to the tokens of
-    their cell without copies. If s does not divide H and W the cells are first upsampled to tokens
-    (nearest) and the layout uses unit cells."""
+    tensor (B, Hp, Wp, C) as (B, Hc, 1, Wc, 1, C), so that cell statistics broadcast to the tokens
+    of their cell without copies. If s does not divide H and W the cells are first upsampled to
+    tokens (nearest) and the layout uses unit cells."""
 
     def __init__(self, x, H, W, s):
         B, N, C = x.shape
