@@ -5,12 +5,13 @@
 # mmseg's: it loads the same (already converted) checkpoint with convert_weights=False. DTN's gates
 # and positional coefficients get no weight decay (see _base_/dtn_no_decay.py); the stock 'norm'
 # key already removes it from DTN's weight/bias, as from the twin's LayerNorms. The ImageNet
-# checkpoint is the twin's LayerNorm one: DTN takes its LN weight/bias and, with
-# dtn_init='layernorm', starts as exactly the LayerNorm it replaces.
+# checkpoint is the twin's LayerNorm one: DTN takes its LN weight/bias; its gates and positional
+# coefficients start as in the paper (dtn_init='paper': Eq. 7, Algorithm 1, lambda = 0.5), as the
+# LN-equivalent init saturates the gates and would keep DTN a LayerNorm.
 _base_ = ['./upernet_swin_tiny_ln_ade20k_160k.py', './_base_/dtn_no_decay.py']
 custom_imports = dict(imports=['mmdtn'], allow_failed_imports=False)
 model = dict(
     backbone=dict(
-        type='SwinTransformerDTN', convert_weights=False, dtn_init='layernorm'))
+        type='SwinTransformerDTN', convert_weights=False, dtn_init='paper'))
 optim_wrapper = dict(
     paramwise_cfg=dict(custom_keys={{_base_.dtn_no_decay_keys}}))
