@@ -6,6 +6,7 @@ checkpoints with PyTorch's ``weights_only`` unpickler.
 """
 from .version import __version__
 from . import checkpoint, registry  # noqa: F401  (safe checkpoint loading; registries)
+from . import datasets, engine  # noqa: F401  (dataset checks; CPU multi-process model wrapper)
 from .models import *  # noqa: F401,F403
 from .models import __all__ as _models_all
 
