@@ -209,3 +209,19 @@ def test_missing_file_and_bad_init_cfg(tmp_path):
         model.init_weights()
     with pytest.raises(ValueError, match='Pretrained'):
         SwinTransformerDTN(depths=(2, 2, 2, 2), init_cfg=dict(type='Normal')).init_weights()
+
+
+def test_prefix_selects_the_backbone_of_a_larger_checkpoint(tmp_path, log):
+    source = PyramidVisionTransformer(**PVT_TINY_1)
+    sd = {f'model.encoder.{k}': v for k, v in source.state_dict().items()}
+    sd['model.head.weight'] = torch.zeros(3)
+    torch.save({'state_dict': sd}, tmp_path / 'ckpt.pth')
+    model = PyramidVisionTransformerDTN(**PVT_TINY_1, convert_weights=False)
+    report = load_pretrained(model, pretrained(tmp_path / 'ckpt.pth', prefix='model.encoder'),
+                             lambda s: pvt_checkpoint_to_mmdet(s, False), log[0])
+    assert not report.missing and not report.unused
+    torch.testing.assert_close(model.layers[0][0].projection.weight,
+                               source.layers[0][0].projection.weight)
+    with pytest.raises(ValueError, match="prefix 'decoder.'"):
+        load_pretrained(model, pretrained(tmp_path / 'ckpt.pth', prefix='decoder'),
+                        lambda s: s, log[0])

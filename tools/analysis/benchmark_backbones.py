@@ -8,10 +8,10 @@ Prints three tables:
    DTN backbone the analyzer's count of every replaced LayerNorm is swapped for DTN's own count
    (:func:`dtn_flops`, from the shapes each DTN layer sees in a forward pass), and Dual PatchNorm's
    patch statistics are added likewise;
-2. forward + backward time per iteration (median over ``--repeats``, the two models alternating
-   iteration by iteration so that both see the same machine load);
-3. peak memory of one forward + backward pass, each measured in a fresh process (CUDA: the
-   allocator's peak; CPU: growth of the process's peak resident set size).
+2. forward + backward time of one training iteration and its peak memory (CUDA: the allocator's
+   peak; CPU: growth of the process's peak resident set size), each measured in a fresh process,
+   the stock and the DTN backbone alternating so that both see the same machine load; medians
+   over ``--repeats`` processes.
 
 Example::
 
@@ -139,48 +139,43 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def time_pair(name, batch, size, repeats, device):
-    """Median fwd+bwd seconds of the stock and DTN backbones, iterations alternating."""
-    models = {v: build(name, v).to(device) for v in ('ln', 'dtn')}
-    x = torch.randn(batch, 3, *size, device=device)
-    times = {v: [] for v in models}
-    for v, m in models.items():  # warm-up (also fills DTN's caches)
-        step(m, x)
-    for _ in range(repeats):
-        for v, m in models.items():
-            m.zero_grad(set_to_none=True)
-            sync(device)
-            t0 = time.perf_counter()
-            step(m, x)
-            sync(device)
-            times[v].append(time.perf_counter() - t0)
-    return {v: statistics.median(t) for v, t in times.items()}
-
-
 def _rss_bytes():
     with open('/proc/self/statm') as f:
         return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
 
 
-def peak_memory_worker(name, variant, batch, size, device):
-    """Peak memory (bytes) of one fwd+bwd, in this fresh process."""
+def measure_worker(name, variant, batch, size, device, warmup):
+    """Seconds and peak memory (bytes) of one fwd+bwd iteration, in this fresh process."""
     model = build(name, variant).to(device)
+    model.train()
     x = torch.randn(batch, 3, *size, device=device)
+    base = _rss_bytes()
+    for _ in range(warmup):
+        step(model, x)
+        model.zero_grad(set_to_none=True)
     if device.type == 'cuda':
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        step(model, x)
-        return torch.cuda.max_memory_allocated(device) - base
-    base = _rss_bytes()
+    sync(device)
+    t0 = time.perf_counter()
     step(model, x)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    sync(device)
+    seconds = time.perf_counter() - t0
+    if device.type == 'cuda':
+        peak = torch.cuda.max_memory_allocated(device) - base
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    return {'seconds': seconds, 'peak': peak}
 
 
-def peak_memory(name, variant, batch, size, device):
+def measure(name, variant, batch, size, device, warmup):
+    """Run :func:`measure_worker` in a fresh process (so that peak memory is this run's)."""
     cmd = [sys.executable, os.path.abspath(__file__), '--worker', name, variant, str(batch),
-           f'{size[0]}x{size[1]}', '--device', str(device)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])['peak']
+           f'{size[0]}x{size[1]}', '--device', str(device), '--warmup', str(warmup)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f'benchmark worker {cmd} failed:\n{proc.stderr[-3000:]}')
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def parse_size(text):
@@ -205,10 +200,15 @@ def main():
     parser.add_argument('--size', default='800x1344', help='HxW of time/memory runs')
     parser.add_argument('--batches', nargs='+', type=int, default=[1, 2])
     parser.add_argument('--flops-sizes', nargs='+', default=['224x224', '800x1344'])
-    parser.add_argument('--repeats', type=int, default=3, help='timed iterations per model')
+    parser.add_argument('--repeats', type=int, default=3,
+                        help='measured iterations per model, each in a fresh process')
+    parser.add_argument('--warmup', type=int, default=1,
+                        help='untimed iterations before the measured one (first-touch memory '
+                        'allocation and kernel set-up)')
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     parser.add_argument('--threads', type=int, default=None, help='torch CPU threads')
-    parser.add_argument('--skip', nargs='*', default=[], choices=['flops', 'time', 'memory'])
+    parser.add_argument('--skip', nargs='*', default=[], choices=['flops', 'time'],
+                        help="'time' skips the time and memory measurements")
     parser.add_argument('--worker', nargs=4, metavar=('MODEL', 'VARIANT', 'BATCH', 'SIZE'),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -218,8 +218,8 @@ def main():
     torch.manual_seed(0)
     if args.worker:
         name, variant, batch, size = args.worker
-        peak = peak_memory_worker(name, variant, int(batch), parse_size(size), device)
-        print(json.dumps({'peak': peak}))
+        print(json.dumps(measure_worker(name, variant, int(batch), parse_size(size), device,
+                                        args.warmup)))
         return
 
     size = parse_size(args.size)
@@ -245,23 +245,26 @@ def main():
 
     if 'time' not in args.skip:
         rows = []
-        jobs = [(n, b) for n in args.models for b in args.batches]
-        for name, batch in tqdm(jobs, desc='fwd+bwd time'):
-            t = time_pair(name, batch, size, args.repeats, device)
-            rows.append([name, batch, f'{t["ln"]:.2f}', f'{t["dtn"]:.2f}',
-                         f'{t["dtn"] / t["ln"]:.3f}x'])
-        table(f'Forward+backward time per iteration at {size[0]}x{size[1]} (s, median)',
-              ['model', 'batch', 'LN', 'DTN', 'DTN/LN'], rows)
-
-    if 'memory' not in args.skip:
-        rows = []
-        jobs = [(n, b) for n in args.models for b in args.batches]
-        for name, batch in tqdm(jobs, desc='peak memory'):
-            m = {v: peak_memory(name, v, batch, size, device) for v in ('ln', 'dtn')}
-            rows.append([name, batch, f'{m["ln"] / 2**20:.0f}', f'{m["dtn"] / 2**20:.0f}',
-                         f'{m["dtn"] / m["ln"]:.3f}x'])
-        table(f'Peak memory of one forward+backward at {size[0]}x{size[1]} (MiB above the '
-              'built model)', ['model', 'batch', 'LN', 'DTN', 'DTN/LN'], rows)
+        jobs = [(n, b, r) for n in args.models for b in args.batches
+                for r in range(args.repeats)]
+        results = {}
+        for name, batch, _ in tqdm(jobs, desc='fwd+bwd time and memory'):
+            for variant in ('ln', 'dtn'):  # alternating: both see the same machine load
+                results.setdefault((name, batch, variant), []).append(
+                    measure(name, variant, batch, size, device, args.warmup))
+        for name in args.models:
+            for batch in args.batches:
+                t = {v: statistics.median(r['seconds'] for r in results[(name, batch, v)])
+                     for v in ('ln', 'dtn')}
+                m = {v: statistics.median(r['peak'] for r in results[(name, batch, v)])
+                     for v in ('ln', 'dtn')}
+                rows.append([name, batch, f'{t["ln"]:.2f}', f'{t["dtn"]:.2f}',
+                             f'{t["dtn"] / t["ln"]:.3f}x', f'{m["ln"] / 2**20:.0f}',
+                             f'{m["dtn"] / 2**20:.0f}', f'{m["dtn"] / m["ln"]:.3f}x'])
+        table(f'Forward+backward at {size[0]}x{size[1]}: time per iteration (s, median of '
+              f'{args.repeats}) and peak memory (MiB above the built model)',
+              ['model', 'batch', 'time LN', 'time DTN', 'DTN/LN', 'mem LN', 'mem DTN',
+               'DTN/LN'], rows)
 
 
 if __name__ == '__main__':
