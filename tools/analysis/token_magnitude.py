@@ -18,6 +18,7 @@ Example (LN vs DTN side by side)::
         --images photo.jpg --compare configs/retinanet_pvt_tiny_ln_1x.py ln.pth
 """
 import os.path as osp
+import textwrap
 
 import numpy as np
 
@@ -104,10 +105,13 @@ def run(argv=None):
                 key = f'{label}/{layer}/{when}'
                 if key in maps:
                     grid.append(list(maps[key]))
-                    row_labels.append(f'{label}\n{when}')
+                    row_labels.append(when if len(models_records) == 1 else
+                                      '\n'.join(textwrap.wrap(label, 22)) + f'\n{when}')
+        models = ' vs '.join(label for label, _ in models_records)
         heatmap_grid(grid, osp.join(out, f'token_magnitude_{layer}.png'), row_labels,
                      [f'head {h + 1}' for h in range(groups[layer])],
-                     title=f'token magnitude, {layer}, image {image_name}', share='row')
+                     title=f'token magnitude before/after {layer}: {models}, image {image_name}',
+                     share='row')
     fig, ax = plt.subplots(figsize=(6, 3))
     for label, _ in models_records:
         cv = [np.mean([r['cv'] for r in rows if r['model'] == label and r['layer'] == layer

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Regenerates the analysis figures of the README (docs/figures/*.png) with tools/analysis/.
+#
+#   bash docs/figures/make_figures.sh [WORK_DIR]
+#
+# WORK_DIR (default work_dirs/demo_mask_rcnn) holds the checkpoint(s) written by tools/demo.py; the
+# model is the demo's PVT-Tiny-DTN Mask R-CNN (configs/demo/mask_rcnn_pvt_tiny_dtn_shapes.py) and
+# the images are the first 8 of the demo's val split. Without checkpoints the figures show the
+# randomly initialised model; without the demo data, synthetic images. Complexity is PVT-Tiny-DTN
+# RetinaNet against its LN twin at 224 x 224, the paper's Table 2 setting.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PYTHON:-.venv/bin/python}
+CONFIG=configs/demo/mask_rcnn_pvt_tiny_dtn_shapes.py
+WORK=${1:-work_dirs/demo_mask_rcnn}
+FIG=docs/figures
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+
+CKPT=$(ls -1 "$WORK"/*.pth 2>/dev/null | sort -V | tail -n 1 || true)
+NCKPT=$(ls -1 "$WORK"/*.pth 2>/dev/null | wc -l || true)
+IMAGES=()
+if [ -d data/synthetic_shapes/val ]; then
+    mkdir -p "$TMP/images"
+    for f in $(ls -1 data/synthetic_shapes/val/*.png | head -n 8); do ln -s "$PWD/$f" "$TMP/images/"; done
+    IMAGES=(--images "$TMP/images")
+fi
+echo "checkpoint: ${CKPT:-none (random initialisation)}; images: ${IMAGES[*]:-synthetic}"
+
+$PY tools/analysis/complexity.py configs/retinanet_pvt_tiny_dtn_1x.py --size 224 224 --out "$TMP/complexity"
+$PY tools/analysis/token_magnitude.py $CONFIG $CKPT "${IMAGES[@]}" --out "$TMP/magnitude"
+$PY tools/analysis/attention_distance.py $CONFIG $CKPT "${IMAGES[@]}" --out "$TMP/distance"
+$PY tools/analysis/positional_attention.py $CONFIG $CKPT --size 128 128 --out "$TMP/positional"
+$PY tools/analysis/gates.py $CONFIG ${CKPT:+$([ "$NCKPT" -gt 1 ] && echo "$WORK" || echo "$CKPT")} --out "$TMP/gates"
+$PY tools/analysis/variation_coefficient.py $CONFIG $CKPT "${IMAGES[@]}" --out "$TMP/variation"
+
+cp "$TMP/complexity/complexity.png" $FIG/complexity.png
+cp "$TMP/magnitude/token_magnitude_stage1.block1.norm1.png" $FIG/token_magnitude.png
+cp "$TMP/distance/attention_distance.png" $FIG/attention_distance.png
+if [ -n "$CKPT" ]; then
+    cp "$TMP/positional/positional_attention_after.png" $FIG/positional_attention.png
+else
+    cp "$TMP/positional/positional_attention_before.png" $FIG/positional_attention.png
+fi
+if [ -f "$TMP/gates/gates_trajectory.png" ]; then
+    cp "$TMP/gates/gates_trajectory.png" $FIG/gates.png
+else
+    cp "$TMP/gates/gates.png" $FIG/gates.png
+fi
+cp "$TMP/variation/variation_coefficient.png" $FIG/variation_coefficient.png
+ls -l $FIG/*.png
