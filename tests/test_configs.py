@@ -133,7 +133,8 @@ def test_detection_hyper_parameters(stem):
         cfg = _load(osp.join(CONFIGS, f'{stem}_{norm}_1x.py'))
         if 'swin' in stem:
             _detection_recipe(cfg, 1e-4, 0.05, (0.9, 0.999))
-            assert cfg.model.backbone.init_cfg.checkpoint.endswith('swin_tiny_patch4_window7_224.pth')
+            ckpt = cfg.model.backbone.init_cfg.checkpoint
+            assert ckpt.endswith('swin_tiny_patch4_window7_224.pth')
             assert cfg.model.backbone.convert_weights is True
         elif stem.startswith('mask_rcnn'):
             _detection_recipe(cfg, 2e-4, 1e-4)
@@ -154,9 +155,11 @@ def test_semantic_fpn_hyper_parameters(stem):
         opt = cfg.optim_wrapper.optimizer
         assert opt.type == 'AdamW' and opt.lr == 2e-4 and opt.weight_decay == 1e-4
         (poly,) = cfg.param_scheduler
-        assert poly.type == 'PolyLR' and poly.power == 0.9 and poly.eta_min == 0 and poly.end == 40000
+        assert poly.type == 'PolyLR' and poly.power == 0.9 and poly.eta_min == 0
+        assert poly.begin == 0 and poly.end == 40000 and not poly.by_epoch
         assert cfg.train_cfg.max_iters == 40000 and cfg.train_dataloader.batch_size == 4
-        assert tuple(cfg.crop_size) == (512, 512) and tuple(cfg.model.data_preprocessor.size) == (512, 512)
+        assert tuple(cfg.crop_size) == (512, 512)
+        assert tuple(cfg.model.data_preprocessor.size) == (512, 512)
         assert cfg.model.decode_head.num_classes == 150 and cfg.model.pretrained is None
         assert cfg.train_dataloader.dataset.data_root == 'data/ade/ADEChallengeData2016'
 

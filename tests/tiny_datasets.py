@@ -164,7 +164,7 @@ randomness = dict(seed=0)
 
 
 def write_config(path: str, base: str, overrides: str, model: Optional[str] = None) -> str:
-    """Write a config inheriting ``configs/<base>`` plus ``overrides`` (and a ``model`` override)."""
+    """Write a config inheriting ``configs/<base>`` plus ``overrides`` and a ``model`` override."""
     text = f"_base_ = {osp.join(CONFIGS, base)!r}\n" + overrides
     if model:
         text += f'model = {model}\n'

@@ -1,4 +1,4 @@
-"""Evaluate a checkpoint with the config's test evaluator; detection (mmdet) or segmentation (mmseg).
+"""Evaluate a checkpoint with the config's test evaluator: detection (mmdet), segmentation (mmseg).
 
     python tools/test.py configs/retinanet_pvt_tiny_dtn_1x.py CHECKPOINT [--work-dir DIR]
         [--out FILE_OR_DIR] [--show] [--show-dir DIR] [--cfg-options KEY=VALUE ...]

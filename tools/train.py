@@ -1,4 +1,4 @@
-"""Train a detector (mmdet) or a segmentor (mmseg) from a config; the config's default_scope decides.
+"""Train a detector (mmdet) or a segmentor (mmseg) from a config; its default_scope decides which.
 
     python tools/train.py configs/retinanet_pvt_tiny_dtn_1x.py [--work-dir DIR] [--resume [CKPT]]
         [--amp] [--auto-scale-lr] [--cfg-options KEY=VALUE ...] [--launcher none|pytorch|slurm]

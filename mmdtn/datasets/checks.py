@@ -28,9 +28,9 @@ __all__ = ['DatasetNotFoundError', 'DatasetFormatError', 'check_datasets', 'chec
 
 # Where to get the datasets the configs use, by dataset type.
 _DOWNLOAD_HINTS = {
-    'CocoDataset': ('COCO 2017 is at https://cocodataset.org/#download (train2017.zip, val2017.zip, '
-                    'annotations_trainval2017.zip); mmdet\'s tools/misc/download_dataset.py '
-                    '--dataset-name coco2017 fetches it.'),
+    'CocoDataset': ('COCO 2017 is at https://cocodataset.org/#download (train2017.zip, '
+                    'val2017.zip, annotations_trainval2017.zip); mmdet\'s '
+                    'tools/misc/download_dataset.py --dataset-name coco2017 fetches it.'),
     'ADE20KDataset': ('ADE20K (SceneParsing, ADEChallengeData2016.zip) is at '
                       'http://data.csail.mit.edu/places/ADEchallenge/ADEChallengeData2016.zip; '
                       'unzip it under data/ade/.'),
@@ -47,7 +47,8 @@ class DatasetFormatError(ValueError):
 
 
 def _is_remote(path: str, backend_args: Optional[dict]) -> bool:
-    return '://' in str(path) or bool(backend_args and backend_args.get('backend', 'local') != 'local')
+    remote_backend = bool(backend_args) and backend_args.get('backend', 'local') != 'local'
+    return '://' in str(path) or remote_backend
 
 
 def _join(root: Optional[str], path: Optional[str]) -> Optional[str]:
@@ -60,7 +61,7 @@ def _join(root: Optional[str], path: Optional[str]) -> Optional[str]:
 
 
 def dataset_cfgs(cfg, phase: str) -> Iterator[dict]:
-    """The dataset configs of ``cfg.<phase>_dataloader``, wrappers (Repeat, Concat, ...) unwrapped."""
+    """The dataset configs of ``cfg.<phase>_dataloader``, wrappers (Repeat, Concat...) unwrapped."""
     loader = cfg.get(f'{phase}_dataloader')
     if not loader or not loader.get('dataset'):
         return
@@ -162,9 +163,9 @@ def _load_json(path: str) -> dict:
     except json.JSONDecodeError as e:
         size = osp.getsize(path)
         raise DatasetFormatError(
-            f'annotation file {path!r} ({size} bytes) is not valid JSON: {e.msg} at line {e.lineno} '
-            f'column {e.colno} (character {e.pos}). The file is corrupt or truncated; download or '
-            'generate it again.') from None
+            f'annotation file {path!r} ({size} bytes) is not valid JSON: {e.msg} at line '
+            f'{e.lineno} column {e.colno} (character {e.pos}). The file is corrupt or truncated; '
+            'download or generate it again.') from None
     except UnicodeDecodeError as e:
         raise DatasetFormatError(f'annotation file {path!r} is not UTF-8 JSON text: {e}') from None
 
@@ -198,8 +199,9 @@ def check_coco_annotations(path: str, classes: Optional[Iterable[str]] = None,
                                        f'(resolved from {os.getcwd()!r}: {osp.abspath(path)})')
         data = _load_json(path)
         if not isinstance(data, dict):
-            raise DatasetFormatError(f'annotation file {path!r} holds a JSON {type(data).__name__}, '
-                                     'not a COCO-format object with "images" and "categories"')
+            raise DatasetFormatError(
+                f'annotation file {path!r} holds a JSON {type(data).__name__}, not a COCO-format '
+                'object with "images" and "categories"')
         for key in ('images', 'categories'):
             if key not in data:
                 raise DatasetFormatError(
@@ -230,7 +232,7 @@ def check_coco_annotations(path: str, classes: Optional[Iterable[str]] = None,
 
 
 def _missing_files(folder: str, names: Iterable[str]) -> List[str]:
-    """The names (relative paths) that are not files under ``folder``; one listdir for flat names."""
+    """The names (relative paths) that are not files in ``folder``; one listdir for flat names."""
     try:
         flat = set(os.listdir(folder))
     except OSError:

@@ -79,10 +79,11 @@ def init_cpu_process_group(launcher: str, timeout: Optional[float] = None,
     elif launcher != 'pytorch':
         raise ValueError(f"launcher {launcher!r} is not supported on CPU; use 'pytorch' "
                          "(tools/dist_train.sh, torchrun) or 'slurm'")
-    missing = [k for k in ('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT') if k not in os.environ]
+    required = ('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT')
+    missing = [k for k in required if k not in os.environ]
     if missing:
-        raise ValueError(f'--launcher {launcher} needs the environment variables {missing}; start the '
-                         'processes with torchrun (tools/dist_train.sh CONFIG NPROC) or srun')
+        raise ValueError(f'--launcher {launcher} needs the environment variables {missing}; start '
+                         'the processes with torchrun (tools/dist_train.sh CONFIG NPROC) or srun')
     kwargs = {}
     if timeout is not None:
         kwargs['timeout'] = datetime.timedelta(seconds=timeout)
