@@ -6,7 +6,9 @@ H x W = 200x336, 100x168, 50x84, 25x42; pool 4/2/1/1; DTN heads 4/4/5/8), then a
 inputs from 224 to 1344 on the stage-1 and stage-3 settings to show how the cost grows.
 
 Time: median over repeats of forward + backward (input and all parameters require grad), the
-three normalisers timed in turn within every repeat. Memory: peak of the tensor memory allocated
+three normalisers timed in turn within every repeat; wall-clock time, or with ``--clock cpu`` the
+CPU time of the process (``time.process_time``: robust on a machine shared with other jobs, where
+wall time mostly measures waiting). Memory: peak of the tensor memory allocated
 during forward + backward above what was live before (input, parameters and output gradient
 excluded); on CUDA from ``torch.cuda.max_memory_allocated``, on CPU as the maximum of the running
 sum of all allocation and free events of PyTorch's CPU allocator recorded by ``torch.profiler``
@@ -15,7 +17,7 @@ sum of all allocation and free events of PyTorch's CPU allocator recorded by ``t
 Usage::
 
     python tools/analysis/benchmark_norm.py [--device cpu|cuda] [--threads N] [--repeats 5]
-        [--sizes 224 448 ...] [--dense-limit-gb 2]
+        [--clock wall|cpu] [--sizes 224 448 ...] [--dense-limit-gb 2]
 """
 import argparse
 import contextlib
@@ -128,7 +130,8 @@ def peak_memory(fn, device):
     return peak
 
 
-def measure(shapes, batch, device, repeats, warmup, dense_repeats, dense_limit_gb, progress):
+def measure(shapes, batch, device, repeats, warmup, dense_repeats, dense_limit_gb, clock,
+            progress):
     """Rows of (label, tokens, {'ln'|'dtn'|'dense': (seconds, bytes) or None})."""
     rows = []
     for label, C, H, W, pool, heads in shapes:
@@ -150,11 +153,11 @@ def measure(shapes, batch, device, repeats, warmup, dense_repeats, dense_limit_g
                 for p in module.parameters():
                     p.grad = None
                 sync(device)
-                start = time.perf_counter()
+                start = clock()
                 fwd_bwd(module, x, (H, W), grad)
                 sync(device)
                 if it >= warmup:
-                    times[key].append(time.perf_counter() - start)
+                    times[key].append(clock() - start)
         result = {}
         for key, module in modules.items():
             x.grad = None
@@ -194,6 +197,8 @@ def main():
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     parser.add_argument('--threads', type=int, default=None, help='torch CPU threads')
     parser.add_argument('--batch', type=int, default=2)
+    parser.add_argument('--clock', choices=['wall', 'cpu'], default='wall',
+                        help='wall-clock time or CPU time of the process')
     parser.add_argument('--repeats', type=int, default=5)
     parser.add_argument('--warmup', type=int, default=2)
     parser.add_argument('--dense-repeats', type=int, default=1,
@@ -215,12 +220,16 @@ def main():
             side = math.ceil(size / STRIDES[label])
             sweep.append((f'{size}px {label}', C, side, side, pool, heads))
     progress = ProgressBar(len(PVT_TINY_STAGES) + len(sweep))
+    clock = time.process_time if args.clock == 'cpu' else time.perf_counter
+    if args.clock == 'cpu' and device.type == 'cuda':
+        parser.error('--clock cpu measures host CPU time; use the wall clock on CUDA')
     stages = measure(PVT_TINY_STAGES, args.batch, device, args.repeats, args.warmup,
-                     args.dense_repeats, args.dense_limit_gb, progress)
+                     args.dense_repeats, args.dense_limit_gb, clock, progress)
     sizes = measure(sweep, args.batch, device, args.repeats, args.warmup, args.dense_repeats,
-                    args.dense_limit_gb, progress)
+                    args.dense_limit_gb, clock, progress)
     print(f'\ndevice={device} threads={torch.get_num_threads()} batch={args.batch} '
-          f'repeats={args.repeats} (dense {args.dense_repeats}), median, torch {torch.__version__}')
+          f'repeats={args.repeats} (dense {args.dense_repeats}), median {args.clock} time, '
+          f'torch {torch.__version__}')
     print_table('PVT-Tiny stages at 800 x 1344 (forward + backward)', stages)
     print_table('Input-size sweep, square inputs (forward + backward)', sizes)
 
