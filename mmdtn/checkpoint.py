@@ -32,16 +32,23 @@ class CheckpointSafetyError(pickle.UnpicklingError):
     """A checkpoint holds a global that is not allow-listed; it was not loaded."""
 
 
+#: HistoryBuffer's built-in statistics. mmengine adds them to ``_statistics_methods`` only when the
+#: first buffer is created, so a fresh process that loads a checkpoint must know them itself.
+_HISTORY_BUFFER_STATISTICS = frozenset({'min', 'max', 'current', 'mean'})
+
+
 def restricted_getattr(obj, name):
     """``getattr`` limited to the statistics methods of mmengine's ``HistoryBuffer``.
 
-    Stands in for ``builtins.getattr`` inside the ``weights_only`` unpickler.
+    Stands in for ``builtins.getattr`` inside the ``weights_only`` unpickler. Allowed names are the
+    built-in statistics and those registered with ``HistoryBuffer.register_statistics``.
     """
-    if obj is HistoryBuffer and isinstance(name, str) and name in HistoryBuffer._statistics_methods:
+    allowed = _HISTORY_BUFFER_STATISTICS | set(HistoryBuffer._statistics_methods)
+    if obj is HistoryBuffer and isinstance(name, str) and name in allowed:
         return getattr(obj, name)
     raise pickle.UnpicklingError(
         f'refusing getattr({obj!r}, {name!r}): only HistoryBuffer statistics methods '
-        f'({sorted(HistoryBuffer._statistics_methods)}) may be resolved while loading a checkpoint')
+        f'({sorted(allowed)}) may be resolved while loading a checkpoint')
 
 
 def _numpy_globals():

@@ -3,6 +3,8 @@ import copy
 import json
 import os.path as osp
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -100,6 +102,16 @@ def test_resume_second_epoch_with_weights_only(tmp_path, four_image_ann):
     assert (work_dir / 'epoch_2.pth').is_file()
     # The optimizer moved on from the resumed weights.
     assert any(not torch.equal(first_state[k], v) for k, v in resumed.model.state_dict().items())
+
+    # A fresh interpreter (as tools/test.py or a resumed job) loads it too: nothing from training
+    # (such as HistoryBuffer's lazily filled method table) may be needed.
+    code = ('import mmdtn\n'
+            'from mmengine.runner.checkpoint import _load_checkpoint\n'
+            f'ckpt = _load_checkpoint({str(ckpt)!r}, map_location="cpu")\n'
+            'print(ckpt["meta"]["epoch"], sorted(ckpt["message_hub"]["log_scalars"])[0])\n')
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1].split()[0] == '1', out.stdout
 
     # load_from path and a direct mmengine load_checkpoint also work with weights_only on.
     loaded = load_checkpoint(resumed.model, str(work_dir / 'epoch_2.pth'), map_location='cpu')
