@@ -48,8 +48,8 @@ class ShapesSpec:
     image_size: tuple = (128, 128)
     min_objects: int = 1
     max_objects: int = 4
-    min_size: int = 18
-    max_size: int = 56
+    min_size: int = 20
+    max_size: int = 60
     seed: int = 0
 
     def __post_init__(self):
@@ -85,10 +85,11 @@ def _shape_polygon(cls_name, cx, cy, radius, angle, rng):
 def _background(rng, width, height):
     """A float32 (H, W, 3) background in [0, 255]: noise, gradient, stripes or blurred blobs."""
     kind = rng.integers(4)
-    c0, c1 = rng.uniform(0, 255, 3), rng.uniform(0, 255, 3)
+    c0 = rng.uniform(0, 255, 3)
+    c1 = np.clip(c0 + rng.normal(0, 50, 3), 0, 255)  # second colour of gradients and stripes
     yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
-    if kind == 0:  # flat colour with strong pixel noise
-        img = np.broadcast_to(c0, (height, width, 3)) + rng.normal(0, 25, (height, width, 3))
+    if kind == 0:  # flat colour with pixel noise
+        img = np.broadcast_to(c0, (height, width, 3)) + rng.normal(0, 15, (height, width, 3))
     elif kind == 1:  # linear gradient in a random direction
         a = rng.uniform(0, 2 * math.pi)
         t = (xx * math.cos(a) + yy * math.sin(a))
@@ -97,15 +98,15 @@ def _background(rng, width, height):
     elif kind == 2:  # soft stripes
         a, period = rng.uniform(0, math.pi), rng.uniform(6, 24)
         t = 0.5 + 0.5 * np.sin(2 * math.pi * (xx * math.cos(a) + yy * math.sin(a)) / period)
-        img = c0 + (c1 - c0) * 0.5 * t[..., None]
-    else:  # blurred random blobs
+        img = c0 + (c1 - c0) * t[..., None]
+    else:  # blurred random blobs around c0
         small = rng.uniform(0, 255, (max(2, height // 16), max(2, width // 16), 3)).astype(np.uint8)
         img = np.asarray(Image.fromarray(small).resize((width, height), Image.BICUBIC), np.float32)
-        img = 0.6 * img + 0.4 * c0
+        img = 0.3 * img + 0.7 * c0
     return np.asarray(img, np.float32)
 
 
-def _distinct_colour(rng, bg_mean, min_dist=90.0):
+def _distinct_colour(rng, bg_mean, min_dist=100.0):
     """A random RGB colour at least ``min_dist`` away from the local background colour."""
     for _ in range(100):
         c = rng.uniform(0, 255, 3)
