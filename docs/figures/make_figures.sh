@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerates the analysis figures of the README (docs/figures/*.png) with tools/analysis/.
 #
-#   bash docs/figures/make_figures.sh [WORK_DIR]
+#   [DATA=data/synthetic_shapes] bash docs/figures/make_figures.sh [WORK_DIR]
 #
 # WORK_DIR (default work_dirs/demo_mask_rcnn) holds the checkpoint(s) written by tools/demo.py; the
 # model is the demo's PVT-Tiny-DTN Mask R-CNN (configs/demo/mask_rcnn_pvt_tiny_dtn_shapes.py) and
@@ -19,10 +19,11 @@ trap 'rm -rf "$TMP"' EXIT
 
 CKPT=$(ls -1 "$WORK"/*.pth 2>/dev/null | sort -V | tail -n 1 || true)
 NCKPT=$(ls -1 "$WORK"/*.pth 2>/dev/null | wc -l || true)
+DATA=${DATA:-data/synthetic_shapes}
 IMAGES=()
-if [ -d data/synthetic_shapes/val ]; then
+if [ -d "$DATA/val" ]; then
     mkdir -p "$TMP/images"
-    for f in $(ls -1 data/synthetic_shapes/val/*.png | head -n 8); do ln -s "$PWD/$f" "$TMP/images/"; done
+    for f in $(ls -1 "$DATA"/val/*.png | head -n 8); do ln -s "$(realpath "$f")" "$TMP/images/"; done
     IMAGES=(--images "$TMP/images")
 fi
 echo "checkpoint: ${CKPT:-none (random initialisation)}; images: ${IMAGES[*]:-synthetic}"

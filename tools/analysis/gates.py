@@ -59,6 +59,9 @@ def plot_last(values, title, path):
     fig, axes = plt.subplots(1, 2, figsize=(2.2 + 0.45 * heads * 2, 1.2 + 0.28 * len(values)))
     for ax, data, name in ((axes[0], mean, 'lambda of the mean'), (axes[1], var, 'lambda of the variance')):
         im = ax.imshow(data, vmin=0, vmax=1, cmap='coolwarm', aspect='auto')
+        for (i, j), v in np.ndenumerate(data):
+            if np.isfinite(v):
+                ax.text(j, i, f'{v:.2f}', ha='center', va='center', fontsize=5)
         ax.set_title(name, fontsize=8)
         ax.set_xticks(range(heads))
         ax.set_xticklabels([str(h + 1) for h in range(heads)], fontsize=6)
