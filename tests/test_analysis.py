@@ -64,7 +64,8 @@ def files(tmp_path_factory):
             type='PyramidVisionTransformerDTN', dtn_heads=4, dtn_init='layernorm', **PVT))),
         'pvt_ln': RETINA.format(backbone=_kw(dict(type='PyramidVisionTransformer', **PVT))),
         'swin_dtn': "custom_imports = dict(imports=['mmdtn'], allow_failed_imports=False)\n"
-                    f"model = dict(backbone=dict({_kw(dict(type='SwinTransformerDTN', **SWIN))}))\n",
+                    'model = dict(backbone=dict('
+                    f"{_kw(dict(type='SwinTransformerDTN', **SWIN))}))\n",
     }
     paths = {}
     for name, text in configs.items():
@@ -74,7 +75,8 @@ def files(tmp_path_factory):
     images.mkdir()
     rng = np.random.default_rng(0)
     for name, (h, w) in (('a', (64, 64)), ('b', (72, 88))):
-        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(images / f'{name}.png')
+        pixels = rng.integers(0, 255, (h, w, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(images / f'{name}.png')
     paths['images'] = str(images)
     (d / 'empty').mkdir()
     paths['empty'] = str(d / 'empty')
@@ -156,7 +158,8 @@ def test_uniform_attention_gives_the_analytic_mean_distance(n):
 def test_uniform_attention_in_a_model_gives_the_analytic_distance():
     """With zero query projections every query attends uniformly; PVT without spatial reduction."""
     from mmdet.registry import MODELS
-    model = MODELS.build(dict(type='PyramidVisionTransformer', **{**PVT, 'sr_ratios': [1, 1, 1, 1]}))
+    model = MODELS.build(dict(type='PyramidVisionTransformer',
+                              **{**PVT, 'sr_ratios': [1, 1, 1, 1]}))
     for m in model.modules():
         if isinstance(m, torch.nn.MultiheadAttention):
             with torch.no_grad():
@@ -251,8 +254,8 @@ def test_gates_of_a_checkpoint_and_their_trajectory(files, tmp_path):
                     p.fill_(epoch / 10)
                 if name.endswith('var_gate'):
                     p.fill_(-epoch / 10)
-        torch.save({'meta': {'epoch': epoch}, 'state_dict': {
-            f'backbone.{k}': v for k, v in model.state_dict().items()}}, work / f'epoch_{epoch}.pth')
+        state = {f'backbone.{k}': v for k, v in model.state_dict().items()}
+        torch.save({'meta': {'epoch': epoch}, 'state_dict': state}, work / f'epoch_{epoch}.pth')
     rows = tool('gates').run([files['pvt_dtn'], str(work), '--out', str(tmp_path / 'out')])
     assert [r['step'] for r in rows][::len(rows) // 3] == [1, 2, 10]
     for r in rows:

@@ -77,7 +77,7 @@ def _heads(x, num_heads):
 
 
 def mha_attention(mha, query, key):
-    """Attention weights (B, heads, Nq, Nk) of an ``nn.MultiheadAttention`` for batch-first inputs."""
+    """Attention weights (B, heads, Nq, Nk) of an ``nn.MultiheadAttention``; batch-first inputs."""
     (wq, bq), (wk, bk), _ = _mha_projections(mha)
     q = _heads(F.linear(query, wq, bq), mha.num_heads)
     k = _heads(F.linear(key, wk, bk), mha.num_heads)
@@ -123,7 +123,7 @@ def window_output(w_msa, attn, x):
 
 
 def distance_sums(attn, q_pos, k_pos, q_valid=None):
-    """Per head: the sum over (valid) queries of ``d_i = sum_j A_ij ||p_i - p_j||``, and their count.
+    """Per head: the sum over (valid) queries of ``d_i = sum_j A_ij ||p_i - p_j||``, and the count.
 
     ``attn`` (L, heads, Nq, Nk); ``q_pos`` (L or 1, Nq, 2) or (Nq, 2); ``k_pos`` likewise with Nk;
     ``q_valid`` (L or 1, Nq) bool. Returns ``(sums (heads,), count)``, in float64.

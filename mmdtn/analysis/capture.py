@@ -59,7 +59,7 @@ class NormRecord:
 
 
 class NormRecorder(_Hooks):
-    """Records the input and output of ``norm1``/``norm2`` of every transformer block of ``model``."""
+    """Records input and output of ``norm1``/``norm2`` of every transformer block of ``model``."""
 
     def __init__(self, model):
         super().__init__()
@@ -87,7 +87,7 @@ class NormRecorder(_Hooks):
 
 
 class SRAttentionRecord:
-    """Inputs of one call of PVT's spatial-reduction attention (queries: all tokens; keys: cells)."""
+    """Inputs of one call of PVT's spatial-reduction attention (queries: tokens; keys: cells)."""
     kind = 'spatial-reduction'
 
     def __init__(self, block, module, query, key, hw_shape):
@@ -136,8 +136,8 @@ class WindowAttentionRecord:
 
     def positions(self):
         """(num_windows*B, N, 2) positions and (num_windows*B, N) validity of the window tokens."""
-        pos, valid = window_positions(self.hw_shape, self.module.window_size, self.module.shift_size,
-                                      self.windows.device)
+        pos, valid = window_positions(self.hw_shape, self.module.window_size,
+                                      self.module.shift_size, self.windows.device)
         reps = self.windows.shape[0] // pos.shape[0]
         return pos.repeat(reps, 1, 1), valid.repeat(reps, 1)
 

@@ -1,4 +1,7 @@
-"""The command line shared by the analysis tools: ``TOOL CONFIG [CHECKPOINT] [--images DIR] [--out DIR]``."""
+"""The command line shared by the analysis tools.
+
+``TOOL CONFIG [CHECKPOINT] [--images DIR] [--out DIR] [--device DEVICE]``
+"""
 import argparse
 import csv
 import json
@@ -12,7 +15,8 @@ from tqdm import tqdm
 from .images import ImageSet
 from .models import build_backbone, load_config, load_weights
 
-__all__ = ['IMAGES_HELP', 'parser', 'add_images_args', 'add_compare_arg', 'models_of', 'prepare', 'load_backbone', 'images_of',
+__all__ = ['IMAGES_HELP', 'parser', 'add_images_args', 'add_compare_arg', 'models_of', 'prepare',
+           'load_backbone', 'images_of',
            'progress', 'write_csv', 'write_json', 'main']
 
 IMAGES_HELP = ('folder of images (or one image file) to analyse; without it two deterministic '
@@ -28,17 +32,20 @@ def parser(tool, description, checkpoint_help='checkpoint (.pth) of the model, a
     p.add_argument('--out', default=osp.join('work_dirs', 'analysis', tool),
                    help='output folder for the figures (PNG) and numbers (CSV/JSON) '
                         '(default: %(default)s)')
-    p.add_argument('--device', default='cpu', help='torch device, e.g. cpu or cuda:0 (default: cpu)')
+    p.add_argument('--device', default='cpu',
+                   help='torch device, e.g. cpu or cuda:0 (default: cpu)')
     p.add_argument('--pretrained', action='store_true',
-                   help="start from the backbone's init_cfg (e.g. the config's ImageNet checkpoint) "
-                        'instead of a random initialisation; CHECKPOINT, if given, is loaded on top')
+                   help="start from the backbone's init_cfg (e.g. the config's ImageNet "
+                        'checkpoint) instead of a random initialisation; CHECKPOINT, if given, '
+                        'is loaded on top')
     return p
 
 
 def add_images_args(p):
     p.add_argument('--images', default=None, help=IMAGES_HELP)
     p.add_argument('--size', type=int, nargs=2, metavar=('H', 'W'), default=None,
-                   help='resize every image to H x W (default: keep the aspect ratio, see --max-side)')
+                   help='resize every image to H x W '
+                        '(default: keep the aspect ratio, see --max-side)')
     p.add_argument('--max-side', type=int, default=512,
                    help='shrink images whose longer side exceeds this (default: %(default)s)')
     return p

@@ -1,4 +1,4 @@
-"""Parameters and FLOPs of a backbone or a whole model, with DTN's own operations counted by formula.
+"""Parameters and FLOPs of a backbone or a whole model, DTN's own operations counted by formula.
 
 mmengine's ``FlopAnalyzer`` (jit tracing, one fused multiply-add = one FLOP) counts convolutions,
 linear layers, matrix products and LayerNorm (5 per element), but not the element-wise and pooling
@@ -6,20 +6,15 @@ operations that make up DTN. The FLOPs of every DynamicTokenNorm layer are there
 :func:`dtn_layer_flops`, which depends on the layer's channels C, DTN heads G, token map H x W
 (N = H*W tokens) and pooled grid h x w = ceil(H/s) x ceil(W/s) (T = h*w cells), batch 1:
 
-=====================================  ==============================================================
-term                                    FLOPs
-=====================================  ==============================================================
-normalise + affine (Eq. 4) and the      5 N C  (what mmengine counts for a LayerNorm of the same size)
-intra-token statistics (Eq. 2)
-x * x for the second moment             N C
-average pooling of x and x^2 (s > 1)    2 N C
-P^h applied to pooled x and x^2         2 C T (h + w)   -- P^h = P_y (x) P_x, one product along W
-(Eq. 5), factorised as implemented                          and one along H per tensor
-inter-token variance P x^2 - (P x)^2    2 C T
-mixing mean and variance with lambda    4 N C
-(Eq. 5)
-building P^h = softmax(R a^h) (Eq. 6)   4 G (h^2 + w^2)
-=====================================  ==============================================================
+* ``5 N C``: intra-token statistics (Eq. 2), normalisation and affine (Eq. 4), the count mmengine
+  gives a LayerNorm of the same size;
+* ``N C``: x * x for the second moment;
+* ``2 N C`` (only if s > 1): average pooling of x and x^2 onto the grid;
+* ``2 C T (h + w)``: P^h applied to the pooled x and x^2 (Eq. 5), factorised as implemented:
+  P^h = P_y (kron) P_x, one matrix product along W and one along H per tensor;
+* ``2 C T``: the inter-token variance P x^2 - (P x)^2;
+* ``4 N C``: mixing the mean and the variance with lambda (Eq. 5);
+* ``4 G (h^2 + w^2)``: building the factors of P^h = softmax(R a^h) (Eq. 6).
 
 The paper's dense formulation (a T x T matrix P^h per head, Sec. 3.3 "Complexity analysis",
 O(B C T^2)) is reported alongside: its P-terms are ``2 C T^2`` and ``4 G T^2``.
@@ -33,7 +28,7 @@ __all__ = ['dtn_layer_flops', 'DTNShapeRecorder', 'complexity', 'TensorForward']
 
 
 def dtn_layer_flops(channels, num_heads, hw_shape, pooled_shape, dense=False):
-    """FLOPs of one DTN layer (batch 1) by the formula in this module's docstring; a dict of terms."""
+    """FLOPs of one DTN layer (batch 1) by the formula in the module docstring; a dict of terms."""
     n = int(hw_shape[0]) * int(hw_shape[1])
     h, w = (int(v) for v in pooled_shape)
     t, c, g = h * w, int(channels), int(num_heads)

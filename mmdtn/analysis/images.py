@@ -1,4 +1,4 @@
-"""Images for the analyses: a folder (or one file) of photographs, or deterministic synthetic images.
+"""Images for the analyses: a folder (or one file) of photographs, or synthetic images.
 
 Each image becomes a (1, 3, H, W) float tensor normalised with the config's
 ``model.data_preprocessor`` mean and std (ImageNet's when the config has none), in the channel order
@@ -27,7 +27,8 @@ def list_images(path):
         if not path.lower().endswith(IMAGE_EXTENSIONS):
             raise ValueError(f'{path} is not an image ({", ".join(IMAGE_EXTENSIONS)})')
         return [path]
-    files = sorted(osp.join(path, f) for f in os.listdir(path) if f.lower().endswith(IMAGE_EXTENSIONS))
+    files = sorted(osp.join(path, f) for f in os.listdir(path)
+                   if f.lower().endswith(IMAGE_EXTENSIONS))
     if not files:
         raise ValueError(f'no images ({", ".join(IMAGE_EXTENSIONS)}) in folder {path}')
     return files
@@ -87,7 +88,7 @@ def synthetic_images(num=2, size=(224, 224), seed=0):
 
 
 class ImageSet:
-    """The images at ``path`` (a folder or one file), read lazily; synthetic images when ``path`` is None.
+    """The images at ``path`` (a folder or one file), read lazily; synthetic ones if it is None.
 
     Iterating yields ``(name, tensor)`` with a normalised (1, 3, H, W) tensor. ``size=(H, W)``
     resizes every image to that size; otherwise images keep their aspect ratio and are shrunk so
@@ -97,7 +98,8 @@ class ImageSet:
     def __init__(self, path, cfg, size=None, max_side=512, num_synthetic=2):
         self.cfg, self.size, self.max_side = cfg, size, max_side
         self.files = list_images(path) if path is not None else None
-        self.synthetic = None if path is not None else synthetic_images(num_synthetic, size or (224, 224))
+        self.synthetic = (None if path is not None else
+                          synthetic_images(num_synthetic, size or (224, 224)))
 
     def __len__(self):
         return len(self.files) if self.files is not None else len(self.synthetic)
@@ -113,4 +115,5 @@ class ImageSet:
                 img.load()
             except OSError as e:
                 raise ValueError(f'cannot read image {file}: {e}') from e
-            yield osp.splitext(osp.basename(file))[0], to_tensor(img, self.cfg, self.size, self.max_side)
+            name = osp.splitext(osp.basename(file))[0]
+            yield name, to_tensor(img, self.cfg, self.size, self.max_side)

@@ -18,12 +18,13 @@ import mmdtn  # noqa: F401  (registers mmdtn's modules and the safe checkpoint l
 
 __all__ = [
     'load_config', 'build_backbone', 'build_model', 'load_weights', 'dtn_layers', 'require_dtn',
-    'transformer_blocks', 'Block', 'norm_labels', 'ln_twin_config', 'is_dtn', 'count_parameters', 'run',
+    'transformer_blocks', 'Block', 'norm_labels', 'ln_twin_config', 'is_dtn', 'count_parameters',
+    'run',
     'DTN_ONLY_PARAMETERS'
 ]
 
-#: Parameters that only DTN has; an LN checkpoint loaded into a DTN backbone lacks them and they keep
-#: the initialisation the config asks for (``dtn_init``).
+#: Parameters that only DTN has; an LN checkpoint loaded into a DTN backbone lacks them and they
+#: keep the initialisation the config asks for (``dtn_init``).
 DTN_ONLY_PARAMETERS = ('mean_gate', 'var_gate', 'pos_coef')
 
 
@@ -85,7 +86,7 @@ def build_model(cfg, device='cpu', config_path='config'):
 
 
 def _quiet(fn):
-    """Run ``fn`` with mmengine's logger lowered to errors (init_weights warns about scratch init)."""
+    """Run ``fn`` with mmengine's logger lowered to errors (init_weights warns of scratch init)."""
     from mmengine.logging import MMLogger
     logger = MMLogger.get_current_instance()
     level = logger.level
@@ -142,8 +143,8 @@ def load_weights(model, checkpoint_path, prefix='backbone.', config_path='config
     if shapes:
         problems.append(f'{len(shapes)} shape mismatch(es): {_fmt(shapes)}')
     if problems:
-        raise ValueError(f'checkpoint {checkpoint_path} does not match the backbone of {config_path}:\n  '
-                         + '\n  '.join(problems))
+        raise ValueError(f'checkpoint {checkpoint_path} does not match the backbone of '
+                         f'{config_path}:\n  ' + '\n  '.join(problems))
     if tolerated:
         warnings.warn(f'{checkpoint_path} has no DTN gates/positional coefficients for '
                       f'{len(tolerated)} key(s) ({_fmt(tolerated, 4)}); they keep the configured '
@@ -177,8 +178,9 @@ def require_dtn(model, config_path, analysis):
     if not layers:
         raise ValueError(
             f'{config_path} builds {type(model).__name__} without DynamicTokenNorm layers, but '
-            f'the {analysis} analysis needs DTN: use a DTN backbone (e.g. PyramidVisionTransformerDTN, '
-            f'SwinTransformerDTN) with at least one stage in `dtn_stages`')
+            f'the {analysis} analysis needs DTN: use a DTN backbone (e.g. '
+            f'PyramidVisionTransformerDTN, SwinTransformerDTN) with at least one stage in '
+            f'`dtn_stages`')
     return layers
 
 
@@ -242,7 +244,8 @@ def ln_twin_config(cfg):
         if '__init__' in vars(klass):
             accepted |= set(inspect.signature(klass.__init__).parameters)
     for key in list(backbone.keys()):
-        if key != 'type' and (key.startswith('dtn_') or key == 'dual_patchnorm' or key not in accepted):
+        dtn_only = key.startswith('dtn_') or key == 'dual_patchnorm'
+        if key != 'type' and (dtn_only or key not in accepted):
             backbone.pop(key)
     return twin
 

@@ -41,7 +41,8 @@ def heatmap_grid(maps, path, row_labels=(), col_labels=(), title=None, cmap='vir
                 ax.axis('off')
                 continue
             if share == 'row':
-                vmin, vmax = min(float(v.min()) for v in row_valid), max(float(v.max()) for v in row_valid)
+                vmin = min(float(v.min()) for v in row_valid)
+                vmax = max(float(v.max()) for v in row_valid)
             elif share == 'all':
                 vmin, vmax = lo_all, hi_all
             else:

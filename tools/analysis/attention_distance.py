@@ -4,8 +4,8 @@ For query token i of head h, d_i = sum_j A_ij * ||p_i - p_j||, the attention-wei
 distance to the tokens it attends to; a layer's value is the mean of d_i over the queries of an
 image, averaged over the images. Distances are in tokens ("patches") of the layer's stage and, to
 compare stages, in input pixels (tokens times the stage's stride). PVT's spatially reduced keys sit
-at the centres of their reduction cells; Swin attends inside its (shifted) windows and queries on the
-window padding are left out. Attention weights are recomputed from each module's own parameters.
+at the centres of their reduction cells; Swin attends inside its (shifted) windows and queries on
+the window padding are left out. Attention weights are recomputed from each module's own parameters.
 
 Writes ``attention_distance.csv`` / ``.json`` and ``attention_distance.png`` (one column per model:
 a dot per head and layer, like the paper's Fig. 2) to ``--out``.

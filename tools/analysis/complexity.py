@@ -1,19 +1,18 @@
 """Parameters and FLOPs of the backbone and the whole model, DTN's own operations shown separately.
 
 The format of the DTN paper's Tables 1, 2, 9 and 12: parameters and FLOPs of a DTN model next to
-its LayerNorm twin, at one input size (batch 1), the DTN model's FLOPs also with the paper's
-dense P^h (column ``dense P``). Everything except DTN is counted by mmengine's
+its LayerNorm twin, at one input size (batch 1). Everything except DTN is counted by mmengine's
 ``FlopAnalyzer`` (one multiply-add = one FLOP, LayerNorm = 5 per element); every DynamicTokenNorm
 layer is counted by the formula documented in ``mmdtn/analysis/flops.py``, which depends on the
-layer's channels, heads, token map and pooled grid ceil(H/s) x ceil(W/s). ``DTN FLOPs`` is that
-count as implemented (P^h applied factorised along W and H); ``dense`` is the paper's dense T x T
-formulation. The LN twin is derived from the config (the stock backbone type without the DTN/DPN
-settings) unless ``--compare`` names one.
+layer's channels, heads, token map and pooled grid ceil(H/s) x ceil(W/s). Column ``DTN``: that
+count, as implemented (P^h applied factorised along W and H); column ``dense P``: the model's total
+with the paper's dense T x T P^h instead. The LN twin is derived from the config (the stock
+backbone type without the DTN/DPN settings) unless ``--compare`` names one.
 
-Writes ``complexity.json``, ``complexity.csv`` (one row per model and part), ``complexity_dtn_layers.csv``
-(the formula per DTN layer) and ``complexity.png`` to ``--out`` and prints the table. For
-two-stage detectors the whole-model count includes the RoI heads run on every RPN proposal of the
-``mode='tensor'`` forward, as mmdet's own ``get_flops`` counts them.
+Writes ``complexity.json``, ``complexity.csv`` (one row per model and part),
+``complexity_dtn_layers.csv`` (the formula per DTN layer) and ``complexity.png`` to ``--out`` and
+prints the table. For two-stage detectors the whole-model count includes the RoI heads run on every
+RPN proposal of the ``mode='tensor'`` forward, as mmdet's own ``get_flops`` counts them.
 
 Example (the paper's 224 x 224 and a detection size)::
 
@@ -95,7 +94,8 @@ def plot(rows, path):
         dtn = [r['dtn_flops'] / 1e9 for r in pr]
         ax.bar(names, other, color='0.6', label='other operations')
         ax.bar(names, dtn, bottom=other, color='tab:red', label='DTN (formula)')
-        ax.set_title(f"{pr[0]['part']}, {pr[0]['input_size'][0]} x {pr[0]['input_size'][1]}", fontsize=8)
+        h, w = pr[0]['input_size']
+        ax.set_title(f"{pr[0]['part']}, {h} x {w}", fontsize=8)
         ax.set_ylabel('GFLOPs', fontsize=8)
         ax.tick_params(labelsize=7)
     axes[0][0].legend(fontsize=6)

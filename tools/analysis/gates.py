@@ -11,7 +11,8 @@ several checkpoints), ``gates.csv`` and ``gates.json`` to ``--out``. Needs a DTN
 
 Example::
 
-    python tools/analysis/gates.py configs/retinanet_pvt_tiny_dtn_1x.py work_dirs/retinanet_pvt_tiny_dtn_1x
+    python tools/analysis/gates.py configs/retinanet_pvt_tiny_dtn_1x.py \\
+        work_dirs/retinanet_pvt_tiny_dtn_1x
 """
 import glob
 import os.path as osp
@@ -48,7 +49,8 @@ def gate_values(model, config):
     """``[(layer, mean_lambda (heads,), var_lambda (heads,))]`` of every DTN layer."""
     labels = norm_labels(model)
     return [(labels.get(name, name), m.mean_lambda.detach().cpu().numpy(),
-             m.var_lambda.detach().cpu().numpy()) for name, m in require_dtn(model, config, 'gates')]
+             m.var_lambda.detach().cpu().numpy())
+            for name, m in require_dtn(model, config, 'gates')]
 
 
 def plot_last(values, title, path):
@@ -57,7 +59,8 @@ def plot_last(values, title, path):
     mean = np.stack([pad(mv) for _, mv, _ in values])
     var = np.stack([pad(vv) for _, _, vv in values])
     fig, axes = plt.subplots(1, 2, figsize=(2.2 + 0.45 * heads * 2, 1.2 + 0.28 * len(values)))
-    for ax, data, name in ((axes[0], mean, 'lambda of the mean'), (axes[1], var, 'lambda of the variance')):
+    for ax, data, name in ((axes[0], mean, 'lambda of the mean'),
+                           (axes[1], var, 'lambda of the variance')):
         im = ax.imshow(data, vmin=0, vmax=1, cmap='coolwarm', aspect='auto')
         for (i, j), v in np.ndenumerate(data):
             if np.isfinite(v):
@@ -131,7 +134,8 @@ def run(argv=None):
         names = ' '.join(osp.basename(f) for _, f in checkpoints)
         xlabel = 'epoch' if 'epoch' in names else 'iteration' if 'iter' in names else 'checkpoint'
         plot_trajectory(rows, osp.join(out, 'gates_trajectory.png'), xlabel)
-    print(f'gates of {len(values)} DTN layers from {len(checkpoints)} checkpoint(s) written to {out}')
+    print(f'gates of {len(values)} DTN layers from {len(checkpoints)} checkpoint(s) '
+          f'written to {out}')
     return rows
 
 

@@ -8,8 +8,8 @@ With the paper's initialisation (Eq. 7) each head peaks at a different neighbour
 With a checkpoint, the rows are drawn at initialisation ("before": the config's freshly built
 backbone) and from the checkpoint ("after"), as in Fig. 8.
 
-Writes ``positional_attention_<before|after>.png``, ``positional_attention.json`` (per layer and head:
-pooled grid, token, row sum, peak offset (d_row, d_col), peak weight, a^h) and
+Writes ``positional_attention_<before|after>.png``, ``positional_attention.json`` (per layer and
+head: pooled grid, token, row sum, peak offset (d_row, d_col), peak weight, a^h) and
 ``positional_attention.npz`` (the rows) to ``--out``. Needs a DTN backbone.
 
 Example::

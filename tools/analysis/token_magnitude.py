@@ -7,10 +7,10 @@ inter-token statistics (IN, DTN) keep their differences. G is the layer's DTN he
 attention head count for LayerNorm layers, the DTN model's count for both models when two are
 compared (so that the panels match), or ``--groups``.
 
-Writes per norm layer ``token_magnitude_<layer>.png`` (rows: before/after per model; columns: heads),
-``token_magnitude_cv.png`` (the spread of magnitudes, std/mean over tokens, after each norm),
-``token_magnitude.csv`` (per layer, head: mean, std, cv) and ``token_magnitude.npz`` (the maps, keys
-``model/layer/before|after``) to ``--out``.
+Writes per norm layer ``token_magnitude_<layer>.png`` (rows: before/after per model; columns:
+heads), ``token_magnitude_cv.png`` (the spread of magnitudes, std/mean over tokens, after each
+norm), ``token_magnitude.csv`` (per layer, head: mean, std, cv) and ``token_magnitude.npz`` (the
+maps, keys ``model/layer/before|after``) to ``--out``.
 
 Example (LN vs DTN side by side)::
 
@@ -56,7 +56,7 @@ def record_norms(config, checkpoint, args):
 
 
 def group_counts(models_records, override=None):
-    """Groups per layer label: ``override``, else the DTN count of any model, else attention heads."""
+    """Groups per layer: ``override``, else the DTN count of any model, else attention heads."""
     counts = {}
     for _, records in models_records:
         for rec in records:
@@ -97,7 +97,8 @@ def run(argv=None):
                                      cv=std / mean if mean else float('nan')))
     np.savez_compressed(osp.join(out, 'token_magnitude.npz'), **maps)
     cli.write_csv(osp.join(out, 'token_magnitude.csv'), rows)
-    layer_labels = list(dict.fromkeys(rec.label for _, records in models_records for rec in records))
+    layer_labels = list(dict.fromkeys(
+        rec.label for _, records in models_records for rec in records))
     for layer in cli.progress(layer_labels, 'figures'):
         grid, row_labels = [], []
         for label, _ in models_records:

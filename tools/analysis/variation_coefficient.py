@@ -59,7 +59,8 @@ def plot(rows, path):
     for i, stat in enumerate(labels):
         vals = [next(r['vc_mean'] for r in rows if r['layer'] == layer and r['statistic'] == stat)
                 for layer in layers]
-        ax.bar(np.arange(len(layers)) + (i - (len(labels) - 1) / 2) * width, vals, width, label=stat)
+        offset = (i - (len(labels) - 1) / 2) * width
+        ax.bar(np.arange(len(layers)) + offset, vals, width, label=stat)
     ax.set_yscale('log')
     ax.set_xticks(range(len(layers)))
     ax.set_xticklabels(layers, rotation=90, fontsize=6)
