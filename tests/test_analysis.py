@@ -7,7 +7,6 @@ puts them, and DTN's FLOPs follow the documented formula on the pooled grid.
 """
 import importlib.util
 import itertools
-import json
 import math
 import os.path as osp
 import re

@@ -23,7 +23,7 @@ import numpy as np
 from mmdtn.analysis import cli
 from mmdtn.analysis.models import (build_backbone, load_config, load_weights, norm_labels,
                                    require_dtn)
-from mmdtn.analysis.plotting import heatmap_grid, plt, save
+from mmdtn.analysis.plotting import plt, save
 
 
 def checkpoints_of(path):
