@@ -352,3 +352,13 @@ def test_clear_errors(files, tmp_path, capsys):
     assert exit_info.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith('error: ') and 'without DynamicTokenNorm layers' in last
+
+
+def test_complexity_of_a_swin_backbone_and_its_twin(files, tmp_path):
+    """A config with only a backbone; the LN twin is mmdet's SwinTransformer (train() returns None)."""
+    result = tool('complexity').run([files['swin_dtn'], '--size', '72', '88', '--out', str(tmp_path)])
+    rows = {r['role']: r for r in result['rows']}
+    assert set(rows) == {'model', 'LN twin'}
+    assert len(result['dtn_layers']) == 4 * 2  # blocks x norms
+    assert rows['model']['dtn_flops'] == sum(layer['flops'] for layer in result['dtn_layers'])
+    assert rows['LN twin']['dtn_flops'] == 0 and rows['model']['flops'] > rows['LN twin']['flops']

@@ -86,7 +86,8 @@ def load_backbone(config, checkpoint=None, device='cpu', pretrained=False):
     model = build_backbone(cfg, device, config_path=config, pretrained=pretrained)
     if checkpoint is not None:
         load_weights(model, checkpoint, config_path=config)
-    return cfg, model.eval()
+    model.eval()  # not chained: some backbones' train() returns None
+    return cfg, model
 
 
 def images_of(args, cfg):

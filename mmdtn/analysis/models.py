@@ -70,7 +70,9 @@ def build_backbone(cfg, device='cpu', config_path='config', pretrained=False):
         with warnings.catch_warnings():
             warnings.simplefilter('ignore')
             _quiet(backbone.init_weights)
-    return backbone.to(device).eval()
+    backbone.to(device)
+    backbone.eval()  # not chained: mmdet's SwinTransformer.train() returns None
+    return backbone
 
 
 def build_model(cfg, device='cpu', config_path='config'):
@@ -82,7 +84,10 @@ def build_model(cfg, device='cpu', config_path='config'):
     if 'backbone' in model_cfg:
         model_cfg.backbone.pop('init_cfg', None)
     _scope(cfg)
-    return MODELS.build(model_cfg).to(device).eval()
+    model = MODELS.build(model_cfg)
+    model.to(device)
+    model.eval()
+    return model
 
 
 def _quiet(fn):
