@@ -362,3 +362,17 @@ def test_complexity_of_a_swin_backbone_and_its_twin(files, tmp_path):
     assert len(result['dtn_layers']) == 4 * 2  # blocks x norms
     assert rows['model']['dtn_flops'] == sum(layer['flops'] for layer in result['dtn_layers'])
     assert rows['LN twin']['dtn_flops'] == 0 and rows['model']['flops'] > rows['LN twin']['flops']
+
+
+def test_images_follow_the_config_normalisation_and_channel_order():
+    from mmengine.config import Config
+
+    from mmdtn.analysis.images import to_tensor
+    red = Image.new('RGB', (3, 2), (255, 0, 0))
+    mean, std = [10.0, 20.0, 30.0], [2.0, 4.0, 5.0]
+    for bgr_to_rgb, first in ((True, (255 - 10) / 2), (False, (0 - 10) / 2)):
+        cfg = Config(dict(model=dict(data_preprocessor=dict(mean=mean, std=std,
+                                                            bgr_to_rgb=bgr_to_rgb))))
+        x = to_tensor(red, cfg)
+        assert x.shape == (1, 3, 2, 3)
+        assert torch.allclose(x[0, 0], torch.full((2, 3), first))

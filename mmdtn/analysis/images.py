@@ -39,8 +39,9 @@ def normalisation(cfg):
     pre = (cfg.get('model', None) or {}).get('data_preprocessor', None) or {}
     mean = tuple(pre.get('mean', None) or _IMAGENET_MEAN)
     std = tuple(pre.get('std', None) or _IMAGENET_STD)
-    # mmdet/mmseg read BGR and flip to RGB when bgr_to_rgb is set: then mean/std are in RGB order.
-    to_bgr = not pre.get('bgr_to_rgb', True) if pre else False
+    # mmdet/mmseg read images as BGR and flip them to RGB only when bgr_to_rgb is set (mmengine's
+    # default is False): without it the model was trained on BGR, with mean/std in BGR order.
+    to_bgr = bool(pre) and not pre.get('bgr_to_rgb', False)
     return mean, std, to_bgr
 
 
