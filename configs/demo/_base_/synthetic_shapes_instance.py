@@ -70,7 +70,7 @@ val_evaluator = dict(
 test_evaluator = val_evaluator
 
 # schedule: iterations from scratch, linear warm-up then cosine decay; evaluate at the end
-max_iters = 300
+max_iters = 500
 train_cfg = dict(type='IterBasedTrainLoop', max_iters=max_iters, val_interval=max_iters)
 val_cfg = dict(type='ValLoop')
 test_cfg = dict(type='TestLoop')
