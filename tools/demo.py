@@ -45,7 +45,7 @@ def parse_args(argv=None):
     parser.add_argument('--iters', type=int, default=None,
                         help="training iterations (default: the config's max_iters)")
     parser.add_argument('--num-vis', type=int, default=8, help='val images to draw predictions on')
-    parser.add_argument('--score-thr', type=float, default=0.3, help='score threshold of the drawings')
+    parser.add_argument('--score-thr', type=float, default=0.4, help='score threshold of the drawings')
     parser.add_argument('--cfg-options', nargs='+', action=DictAction, metavar='KEY=VALUE',
                         help='override config settings, as in tools/train.py')
     return parser.parse_args(argv)
