@@ -18,13 +18,13 @@ from mmdtn.models.backbones.dtn_blocks import dtn_stage_settings
 from mmdtn.models.layers import DynamicTokenNorm
 from mmdtn.models.layers.dual_patchnorm import PatchNormConv2d
 
-# Small but legitimate variants: PVT-Tiny and PVTv2-b0 widths with one layer per stage, Swin-T
-# widths with two blocks (a plain and a shifted window block) per stage.
+# Small but legitimate variants: PVT-Tiny and PVTv2-b0 widths with one layer per stage; Swin-T's
+# heads at half its width, two blocks (a plain and a shifted-window block) per stage.
 CASES = {
     'pvt': (PyramidVisionTransformer, PyramidVisionTransformerDTN, dict(num_layers=[1, 1, 1, 1])),
     'pvtv2': (PyramidVisionTransformerV2, PyramidVisionTransformerV2DTN,
               dict(embed_dims=32, num_layers=[1, 1, 1, 1])),
-    'swin': (SwinTransformer, SwinTransformerDTN, dict(depths=(2, 2, 2, 2))),
+    'swin': (SwinTransformer, SwinTransformerDTN, dict(embed_dims=48, depths=(2, 2, 2, 2))),
 }
 
 
@@ -87,13 +87,13 @@ def test_default_stage_settings_follow_the_paper():
     assert [type(n) for n in norms] == [DynamicTokenNorm] * 3 + [nn.LayerNorm]
     assert [(n.num_heads, n.pool_size, n.eps) for n in norms[:3]] == [(4, 4, 1e-6), (4, 2, 1e-6),
                                                                       (5, 1, 1e-6)]
-    swin = SwinTransformerDTN(depths=(2, 2, 2, 2))
+    swin = SwinTransformerDTN(embed_dims=48, depths=(2, 2, 2, 2))
     norms = [stage.blocks[1].norm2 for stage in swin.stages]
     assert [(n.num_heads, n.pool_size, n.eps) for n in norms] == [(3, 4, 1e-5), (6, 2, 1e-5),
                                                                   (12, 1, 1e-5), (24, 1, 1e-5)]
-    custom = SwinTransformerDTN(depths=(2, 2, 2, 2), dtn_stages=[True, False, True, False],
-                                dtn_heads=4, dtn_pool_sizes=2, dtn_init=['paper', 'paper',
-                                                                         'layernorm', 'paper'])
+    custom = SwinTransformerDTN(embed_dims=48, depths=(2, 2, 2, 2),
+                                dtn_stages=[True, False, True, False], dtn_heads=4,
+                                dtn_pool_sizes=2, dtn_init=['paper', 'paper', 'layernorm', 'paper'])
     norms = [stage.blocks[0].norm1 for stage in custom.stages]
     assert isinstance(norms[1], nn.LayerNorm) and isinstance(norms[3], nn.LayerNorm)
     assert (norms[2].num_heads, norms[2].pool_size, norms[2].init) == (4, 2, 'layernorm')
@@ -119,10 +119,10 @@ def test_stage_settings_helper():
 
 @pytest.mark.parametrize('name', list(CASES))
 def test_every_dtn_parameter_receives_a_gradient(name):
-    _, model = build_pair(name, dual_patchnorm=True)
+    _, model = build_pair(name, dual_patchnorm=True, drop_path_rate=0.)  # no dropped branches
     model.init_weights()
     model.train()
-    outs = model(torch.randn(2, 3, 96, 128))
+    outs = model(torch.randn(2, 3, 64, 96))
     sum(o.square().mean() for o in outs).backward()
     dtn_params = [(n, p) for n, p in model.named_parameters()
                   if any(n.endswith(s) for s in ('mean_gate', 'var_gate', 'pos_coef'))
@@ -144,7 +144,7 @@ def test_with_cp_gives_same_outputs_and_gradients(name):
     if name.startswith('pvt'):  # the constructor argument sets it on every encoder layer
         assert PyramidVisionTransformerDTN(num_layers=[1, 1, 1, 1],
                                            with_cp=True).layers[0][1][1].with_cp
-    x = torch.randn(1, 3, 65, 97)
+    x = torch.randn(1, 3, 33, 47)
     grads = []
     for model in (plain, ckpt):
         model.train()
@@ -156,8 +156,9 @@ def test_with_cp_gives_same_outputs_and_gradients(name):
     for a, b in zip(out_a, out_b):
         torch.testing.assert_close(a, b)
     assert g_a.keys() == g_b.keys()
-    for n in g_a:
-        torch.testing.assert_close(g_a[n], g_b[n], rtol=1e-4, atol=1e-5, msg=n)
+    for n in g_a:  # summation order varies between runs: tolerance relative to the scale
+        scale = g_a[n].abs().max().item()
+        torch.testing.assert_close(g_a[n], g_b[n], rtol=1e-4, atol=1e-5 + 1e-5 * scale)
 
 
 @pytest.mark.parametrize('name', list(CASES))
@@ -174,7 +175,7 @@ def test_odd_sizes_batches_and_autocast(name):
         assert [o.shape for o in outs] == [r.shape for r in ref]
         assert all(torch.isfinite(o).all() for o in outs)
     with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):
-        outs = model(torch.randn(2, 3, 64, 96))
+        outs = model(torch.randn(2, 3, 32, 48))
     assert all(torch.isfinite(o.float()).all() for o in outs)
 
 
@@ -183,7 +184,7 @@ def test_dual_patchnorm_on_and_off():
         (PyramidVisionTransformerV2DTN, dict(embed_dims=32, num_layers=[1, 1, 1, 1]),
          lambda m: m.layers[0][0]),
         (PyramidVisionTransformerDTN, dict(num_layers=[1, 1, 1, 1]), lambda m: m.layers[0][0]),
-        (SwinTransformerDTN, dict(depths=(2, 2, 2, 2)), lambda m: m.patch_embed),
+        (SwinTransformerDTN, dict(embed_dims=48, depths=(2, 2, 2, 2)), lambda m: m.patch_embed),
     ]:
         off, on = cls(**kwargs), cls(**kwargs, dual_patchnorm=True)
         assert type(embed(off).projection) is nn.Conv2d
@@ -193,7 +194,8 @@ def test_dual_patchnorm_on_and_off():
         # only the stage-1 patch embedding gets the patch LayerNorm
         assert sum(isinstance(m, PatchNormConv2d) for m in on.modules()) == 1
     with pytest.raises(ValueError, match='patch_norm=False'):
-        SwinTransformerDTN(depths=(2, 2, 2, 2), patch_norm=False, dual_patchnorm=True)
+        SwinTransformerDTN(embed_dims=48, depths=(2, 2, 2, 2), patch_norm=False,
+                           dual_patchnorm=True)
 
 
 @pytest.mark.parametrize('recipe', ['pvt', 'swin'])

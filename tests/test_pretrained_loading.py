@@ -204,11 +204,11 @@ def test_shape_mismatch_names_key_and_shapes(tmp_path):
 
 
 def test_missing_file_and_bad_init_cfg(tmp_path):
-    model = SwinTransformerDTN(depths=(2, 2, 2, 2), init_cfg=pretrained(tmp_path / 'nope.pth'))
+    model = SwinTransformerDTN(**SWIN_S, init_cfg=pretrained(tmp_path / 'nope.pth'))
     with pytest.raises(FileNotFoundError, match='nope.pth'):
         model.init_weights()
     with pytest.raises(ValueError, match='Pretrained'):
-        SwinTransformerDTN(depths=(2, 2, 2, 2), init_cfg=dict(type='Normal')).init_weights()
+        SwinTransformerDTN(**SWIN_S, init_cfg=dict(type='Normal')).init_weights()
 
 
 def test_prefix_selects_the_backbone_of_a_larger_checkpoint(tmp_path, log):

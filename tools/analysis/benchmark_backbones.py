@@ -171,7 +171,8 @@ def measure_worker(name, variant, batch, size, device, warmup):
 def measure(name, variant, batch, size, device, warmup):
     """Run :func:`measure_worker` in a fresh process (so that peak memory is this run's)."""
     cmd = [sys.executable, os.path.abspath(__file__), '--worker', name, variant, str(batch),
-           f'{size[0]}x{size[1]}', '--device', str(device), '--warmup', str(warmup)]
+           f'{size[0]}x{size[1]}', '--device', str(device), '--warmup', str(warmup),
+           '--threads', str(torch.get_num_threads())]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f'benchmark worker {cmd} failed:\n{proc.stderr[-3000:]}')
@@ -206,7 +207,10 @@ def main():
                         help='untimed iterations before the measured one (first-touch memory '
                         'allocation and kernel set-up)')
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
-    parser.add_argument('--threads', type=int, default=None, help='torch CPU threads')
+    parser.add_argument('--threads', type=int, default=None,
+                        help='torch CPU threads; on a machine shared with other jobs use 1: '
+                        'with more, every parallel op can stall on a descheduled thread, which '
+                        'penalises many small ops (DTN) far more than few large ones')
     parser.add_argument('--skip', nargs='*', default=[], choices=['flops', 'time'],
                         help="'time' skips the time and memory measurements")
     parser.add_argument('--worker', nargs=4, metavar=('MODEL', 'VARIANT', 'BATCH', 'SIZE'),

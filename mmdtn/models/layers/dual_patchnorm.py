@@ -1,8 +1,8 @@
 """Dual PatchNorm (Kumar et al., 2023): LayerNorm before and after the patch projection.
 
-Dual PatchNorm (DPN) normalises every flattened input patch (``kh * kw * in_channels`` values) with a
-LayerNorm before the patch-embedding projection and keeps the LayerNorm after it. ViT's patches do
-not overlap, so the patches can simply be cut out; PVTv2's stage-1 projection is a 7x7 convolution
+Dual PatchNorm (DPN) normalises every flattened input patch (``kh * kw * in_channels`` values)
+with a LayerNorm before the patch-embedding projection and keeps the LayerNorm after it. ViT's
+patches do not overlap, so they can simply be cut out; PVTv2's stage-1 projection is a 7x7 conv
 with stride 4 and padding 3, whose receptive fields overlap and include zero padding. The patch
 LayerNorm here normalises each receptive field *exactly as the convolution sees it* (padding zeros
 included) without materialising the unfolded patches, which would be ``kh * kw / stride^2`` (~3x for
@@ -32,14 +32,14 @@ __all__ = ['PatchNormConv2d', 'add_dual_patchnorm']
 
 
 # Registered in mmengine's root MODELS as well (via register_norm_layer), where mmcv's
-# ``build_conv_layer`` looks: ``PatchEmbed(conv_type='PatchNormConv2d', ...)`` gives a DPN embedding.
+# ``build_conv_layer`` looks: ``PatchEmbed(conv_type='PatchNormConv2d', ...)`` is a DPN embedding.
 @register_norm_layer
 class PatchNormConv2d(nn.Conv2d):
     """A ``Conv2d`` that layer-normalises each of its input patches before projecting it.
 
-    Equivalent to unfolding the (zero-padded) input into patches of ``in_channels * kh * kw`` values,
-    applying ``nn.LayerNorm`` to every patch and multiplying by the flattened convolution weight,
-    but computed without the unfold (see the module docstring).
+    Equivalent to unfolding the (zero-padded) input into patches of ``in_channels * kh * kw``
+    values, applying ``nn.LayerNorm`` to every patch and multiplying by the flattened convolution
+    weight, but computed without the unfold (see the module docstring).
 
     The patch LayerNorm's parameters live in ``self.patch_norm`` (an ``nn.LayerNorm`` of
     ``in_channels * kh * kw`` features, ordered like the flattened convolution weight:
