@@ -39,7 +39,8 @@ def test_generator_is_deterministic_and_idempotent(tmp_path):
         n = SMALL[f'num_{split}']
         for i in range(n):
             name = f'{i:06d}.png'
-            assert read(osp.join(a[f'{split}_img'], name)) == read(osp.join(b[f'{split}_img'], name))
+            image_a, image_b = osp.join(a[f'{split}_img'], name), osp.join(b[f'{split}_img'], name)
+            assert read(image_a) == read(image_b)
     # a second call with the same settings reuses the files untouched
     mtime = os.stat(a['train_ann']).st_mtime_ns
     generate_shapes_dataset(tmp_path / 'a', progress=False, **SMALL)
@@ -86,7 +87,8 @@ def test_generator_rejects_bad_settings(tmp_path):
 
 def test_short_demo_run_learns(tmp_path):
     work_dir = tmp_path / 'work'
-    cmd = [sys.executable, 'tools/demo.py', '--iters', str(SHORT_ITERS), '--work-dir', str(work_dir),
+    cmd = [sys.executable, 'tools/demo.py', '--iters', str(SHORT_ITERS),
+           '--work-dir', str(work_dir),
            '--data-root', str(tmp_path / 'data'), '--num-vis', '2']
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

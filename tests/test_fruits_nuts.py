@@ -1,4 +1,4 @@
-"""Mask R-CNN PVT-Tiny-DTN on real photographs: the fruits_nuts set (18 images, 3 classes, polygons).
+"""Mask R-CNN PVT-Tiny-DTN on real photographs: fruits_nuts (18 images, 3 classes, polygons).
 
 The COCO config ``configs/mask_rcnn_pvt_tiny_dtn_1x.py`` is pointed at a split of the read-only
 dataset (images 0-13 train, 14-17 val; split files are written to a temporary folder), trained for

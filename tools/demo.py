@@ -39,13 +39,15 @@ def parse_args(argv=None):
     parser.add_argument('--model', choices=sorted(CONFIGS), default='mask_rcnn',
                         help='detector to train (default: mask_rcnn, which gives bbox and segm AP)')
     parser.add_argument('--work-dir', default=None,
-                        help='logs, checkpoint, metrics and drawings (default: work_dirs/demo_<model>)')
+                        help='logs, checkpoint, metrics and drawings '
+                        '(default: work_dirs/demo_<model>)')
     parser.add_argument('--data-root', default=osp.join(ROOT, 'data', 'synthetic_shapes'),
                         help='where the generated dataset is written or reused')
     parser.add_argument('--iters', type=int, default=None,
                         help="training iterations (default: the config's max_iters)")
     parser.add_argument('--num-vis', type=int, default=8, help='val images to draw predictions on')
-    parser.add_argument('--score-thr', type=float, default=0.4, help='score threshold of the drawings')
+    parser.add_argument('--score-thr', type=float, default=0.4,
+                        help='score threshold of the drawings')
     parser.add_argument('--cfg-options', nargs='+', action=DictAction, metavar='KEY=VALUE',
                         help='override config settings, as in tools/train.py')
     return parser.parse_args(argv)
@@ -202,7 +204,9 @@ def main(argv=None):
     print('[3/4] COCO evaluation on the val split', flush=True)
     metrics = runner.test()
     print(f'[4/4] drawing predictions of {args.num_vis} val images', flush=True)
-    vis_dir = draw_predictions(runner, cfg, args.num_vis, args.score_thr) if args.num_vis > 0 else None
+    vis_dir = None
+    if args.num_vis > 0:
+        vis_dir = draw_predictions(runner, cfg, args.num_vis, args.score_thr)
     elapsed = time.time() - start
     metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
     with open(osp.join(cfg.work_dir, 'metrics.json'), 'w') as f:

@@ -1,5 +1,6 @@
 # CPU demo: RetinaNet with a PVT-Tiny-DTN backbone trained from scratch on the synthetic shapes
-# (128 x 128 images, 4 classes), evaluated with COCO bbox AP. Run by `tools/demo.py --model retinanet`.
+# (128 x 128 images, 4 classes), evaluated with COCO bbox AP.
+# Run by `tools/demo.py --model retinanet`.
 # Changes against mmdet's RetinaNet for the tiny images and the CPU budget: random init, no
 # drop-path, 64-channel FPN and head, anchors of 16-256 px.
 _base_ = [

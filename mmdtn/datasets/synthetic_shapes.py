@@ -54,11 +54,14 @@ class ShapesSpec:
 
     def __post_init__(self):
         if self.num_train < 1 or self.num_val < 1:
-            raise ValueError(f'num_train and num_val must be >= 1, got {self.num_train}, {self.num_val}')
+            raise ValueError(f'num_train and num_val must be >= 1, '
+                             f'got {self.num_train}, {self.num_val}')
         if not 1 <= self.min_objects <= self.max_objects:
-            raise ValueError(f'need 1 <= min_objects <= max_objects, got {self.min_objects}, {self.max_objects}')
+            raise ValueError(f'need 1 <= min_objects <= max_objects, '
+                             f'got {self.min_objects}, {self.max_objects}')
         if not 4 <= self.min_size <= self.max_size < min(self.image_size):
-            raise ValueError(f'need 4 <= min_size <= max_size < min(image_size), got {self.min_size}, '
+            raise ValueError(f'need 4 <= min_size <= max_size < min(image_size), '
+                             f'got {self.min_size}, '
                              f'{self.max_size}, image_size {tuple(self.image_size)}')
 
 
@@ -134,7 +137,8 @@ def _make_image(rng, spec):
             continue
         placed.append((cx, cy, radius))
         label = int(rng.integers(len(SHAPE_CLASSES)))
-        poly = _shape_polygon(SHAPE_CLASSES[label], cx, cy, radius, rng.uniform(0, 2 * math.pi), rng)
+        angle = rng.uniform(0, 2 * math.pi)
+        poly = _shape_polygon(SHAPE_CLASSES[label], cx, cy, radius, angle, rng)
         objects.append((label, poly))
 
     canvas = Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
@@ -215,7 +219,8 @@ def generate_shapes_dataset(root, spec=None, progress=True, **kwargs):
         os.remove(osp.join(root, 'meta.json'))  # settings changed or incomplete: rewrite
     os.makedirs(osp.join(root, 'annotations'), exist_ok=True)
     width, height = spec.image_size
-    categories = [dict(id=i + 1, name=n, supercategory='shape') for i, n in enumerate(SHAPE_CLASSES)]
+    categories = [dict(id=i + 1, name=n, supercategory='shape')
+                  for i, n in enumerate(SHAPE_CLASSES)]
     bar = None
     if progress:
         from tqdm import tqdm
