@@ -20,6 +20,7 @@ VENV="$ROOT/.venv"
 CACHE="${MMDTN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/mmdtn}"
 OPS="${MMDTN_MMCV_OPS:-auto}"
 MIN_FREE_GB="${MMDTN_MIN_FREE_GB:-12}"
+CONSTRAINTS="$ROOT/requirements/constraints.txt"
 STEP=0
 
 step() { STEP=$((STEP + 1)); printf '\n[setup %d/7] %s\n' "$STEP" "$*"; }
@@ -54,10 +55,10 @@ else
   "$PY" -m venv "$VENV" || die "could not create $VENV"
   echo "created"
 fi
-pip_q install -r "$ROOT/requirements/build.txt" "pip<26" || die "could not install build tools (requirements/build.txt)"
+pip_q install -c "$CONSTRAINTS" -r "$ROOT/requirements/build.txt" "pip<26" || die "could not install build tools (requirements/build.txt)"
 
 step "PyTorch (requirements/torch.txt)"
-pip_q install -r "$ROOT/requirements/torch.txt" || die "could not install PyTorch (requirements/torch.txt)"
+pip_q install -c "$CONSTRAINTS" -r "$ROOT/requirements/torch.txt" || die "could not install PyTorch (requirements/torch.txt)"
 "$VENV/bin/python" -c 'import torch, torchvision; print("torch", torch.__version__, "| torchvision", torchvision.__version__, "| CUDA build", torch.version.cuda, "| GPU visible", torch.cuda.is_available())'
 
 step "mmcv with compiled ops (requirements/mmcv.txt)"
@@ -123,21 +124,22 @@ else
   else
     echo "using cached wheel from $WHEEL_DIR"
   fi
-  pip_q install --no-deps --force-reinstall "$WHEEL_DIR"/mmcv-*.whl || die "could not install the mmcv wheel"
+  pip_q install -c "$CONSTRAINTS" --no-deps --force-reinstall "$WHEEL_DIR"/mmcv-*.whl || die "could not install the mmcv wheel"
   # mmcv's own dependencies (addict, opencv, yapf, ...), without touching torch.
-  pip_q install "mmcv==$MMCV_VER" --no-build-isolation || die "could not install mmcv's dependencies"
+  pip_q install -c "$CONSTRAINTS" "mmcv==$MMCV_VER" --no-build-isolation || die "could not install mmcv's dependencies"
   ops_ok "$OPS" || die "mmcv was installed but its compiled ops do not import"
 fi
 
 step "OpenMMLab stack and tools (requirements/runtime.txt, requirements/tests.txt)"
-pip_q install -r "$ROOT/requirements/runtime.txt" -r "$ROOT/requirements/tests.txt" \
+pip_q install -c "$CONSTRAINTS" -r "$ROOT/requirements/runtime.txt" -r "$ROOT/requirements/tests.txt" \
   || die "could not install requirements/runtime.txt"
 
 step "mmdtn (editable)"
-pip_q install --no-build-isolation --no-deps -e "$ROOT" || die "could not install mmdtn"
+pip_q install -c "$CONSTRAINTS" --no-build-isolation --no-deps -e "$ROOT" || die "could not install mmdtn"
 
 step "checking the installation"
 "$VENV/bin/python" - <<'PY' || die "the installed stack does not import"
+import pkg_resources  # noqa: F401  (mmengine and mmcv need it: setuptools < 81)
 import mmcv, mmdet, mmengine, mmseg, timm, torch
 import mmdtn
 print(f'mmdtn {mmdtn.__version__}: torch {torch.__version__}, mmcv {mmcv.__version__}, mmengine {mmengine.__version__}, '
