@@ -13,15 +13,13 @@ work_dir/<timestamp>/, as mmdet; segmentation: under that directory's vis_data/v
 import argparse
 import os
 import os.path as osp
-import sys
 import warnings
 from copy import deepcopy
 
 import mmdtn  # noqa: F401  (first: registers mmdtn's modules, weights_only checkpoint loading)
 from mmengine.config import Config, ConfigDict, DictAction
 
-from mmdtn.datasets import DatasetFormatError, DatasetNotFoundError, check_datasets
-from mmdtn.engine import setup_distributed
+from mmdtn.engine.runner import build_runner, fail
 
 
 def parse_args(argv=None):
@@ -50,12 +48,6 @@ def parse_args(argv=None):
     if 'LOCAL_RANK' not in os.environ:
         os.environ['LOCAL_RANK'] = str(args.local_rank)
     return args
-
-
-def fail(message: str) -> None:
-    """Stop with a one-paragraph error instead of a traceback."""
-    print(f'error: {message}', file=sys.stderr, flush=True)
-    sys.exit(1)
 
 
 def _seg_visualization(cfg, args):
@@ -143,20 +135,7 @@ def main(argv=None):
             cfg.test_evaluator['output_dir'] = args.out
             cfg.test_evaluator['keep_results'] = True
 
-    try:
-        check_datasets(cfg, ['test'])
-    except (DatasetNotFoundError, DatasetFormatError) as e:
-        fail(str(e))
-
-    try:
-        setup_distributed(cfg, args.launcher)
-    except ValueError as e:
-        fail(str(e))
-    if 'runner_type' in cfg:
-        runner = RUNNERS.build(cfg)
-    else:
-        from mmengine.runner import Runner
-        runner = Runner.from_cfg(cfg)
+    runner = build_runner(cfg, args.launcher, ['test'], RUNNERS)
     if scope == 'mmdet' and args.out is not None:
         from mmdet.evaluation import DumpDetResults
         runner.test_evaluator.metrics.append(DumpDetResults(out_file_path=args.out))

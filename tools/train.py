@@ -17,8 +17,7 @@ import mmdtn  # noqa: F401  (first: registers mmdtn's modules, weights_only chec
 import torch
 from mmengine.config import Config, DictAction
 
-from mmdtn.datasets import DatasetFormatError, DatasetNotFoundError, check_datasets
-from mmdtn.engine import setup_distributed
+from mmdtn.engine.runner import build_runner, fail
 
 
 def parse_args(argv=None):
@@ -47,12 +46,6 @@ def parse_args(argv=None):
     if 'LOCAL_RANK' not in os.environ:
         os.environ['LOCAL_RANK'] = str(args.local_rank)
     return args
-
-
-def fail(message: str) -> None:
-    """Stop with a one-paragraph error instead of a traceback."""
-    print(f'error: {message}', file=sys.stderr, flush=True)
-    sys.exit(1)
 
 
 def main(argv=None):
@@ -107,20 +100,7 @@ def main(argv=None):
     phases = ['train']
     if cfg.get('val_cfg') and cfg.get('val_dataloader') and cfg.get('val_evaluator'):
         phases.append('val')
-    try:
-        check_datasets(cfg, phases)
-    except (DatasetNotFoundError, DatasetFormatError) as e:
-        fail(str(e))
-
-    try:
-        setup_distributed(cfg, args.launcher)
-    except ValueError as e:
-        fail(str(e))
-    if 'runner_type' in cfg:
-        runner = RUNNERS.build(cfg)
-    else:
-        from mmengine.runner import Runner
-        runner = Runner.from_cfg(cfg)
+    runner = build_runner(cfg, args.launcher, phases, RUNNERS)
     runner.train()
 
 
