@@ -215,33 +215,26 @@ class DynamicTokenNorm(nn.Module):
             ``reference_compat`` they refer to the group-RMS-normalised input.
         """
         H, W = self._check_input(x, hw_shape)
-        B, N, C = x.shape
-        with torch.autocast(x.device.type, enabled=False):
-            xc = self._prepare(x)
-            grid = _Grid(xc, H, W, self.pool_size)
-            conv = self.convention
-            # Eq. 2: intra-token statistics over all C channels
-            var_ln, mean_ln = torch.var_mean(
-                xc, dim=-1, keepdim=True, correction=1 if conv.unbiased_ln_var else 0)
-            pooled = grid.pool(xc)
-            centre = pooled.detach().mean(dim=(1, 2), keepdim=True)
-            second = None
-            if not conv.square_of_pooled:
-                second = grid.pool((xc - centre.flatten(1, 2)).square())
+        with torch.autocast(x.device.type, enabled=False), torch.no_grad():
+            xc = self._prepare(x).contiguous()
+            grid = _Grid(xc, H, W, self.pool_size, self.num_heads)
+            mean_ln, var_ln, pooled, centre, second = _token_statistics(xc, grid, self.convention)
             p_y, p_x = self.axis_matrices((H, W), dtype=xc.dtype)
-            mean_it, var_it = _inter_token_statistics(pooled, second, centre, p_y, p_x)
+            _, m = _positional_products(_moments(pooled, centre, second, grid), p_y, p_x)
+            lam_m, kap_m, lam_v, kap_v = self._channel_ratios(xc.dtype).unbind(0)
 
-            def to_tokens(t):
-                return grid.cells(t).expand(grid.shape6).reshape(B, N, C)
+            def to_tokens(t):  # (B, Hp, Wp, nh, d) -> (B, N, C)
+                t = grid.cells(t.reshape(grid.B, grid.Hp, grid.Wp, grid.C))
+                return t.expand(grid.tok(xc).shape).reshape(xc.shape)
 
-            _, kap_m, lam_v, kap_v = self._channel_ratios(xc.dtype).unbind(0)
-            mean_it, var_it = to_tokens(mean_it), to_tokens(var_it)
+            mean_it = to_tokens(grid.from_hm(m[:, 0]) + grid.split(centre))
+            var_it = to_tokens(grid.from_hm(m[:, 1]))
             return {
                 'mean_ln': mean_ln,
                 'var_ln': var_ln,
                 'mean_it': mean_it,
                 'var_it': var_it,
-                'mean': mean_ln + kap_m * (mean_it - mean_ln),  # Eq. 5
+                'mean': lam_m * mean_ln + kap_m * mean_it,  # Eq. 5
                 'var': lam_v * var_ln + kap_v * var_it,  # Eq. 5
             }
 
@@ -257,12 +250,12 @@ class DynamicTokenNorm(nn.Module):
                 return (xc * weight + bias).to(x.dtype)
             p_y, p_x = self.axis_matrices((H, W), dtype=dtype)
             ratios = self._channel_ratios(dtype)
-            options = (_Grid(xc, H, W, self.pool_size), self.eps, self.convention)
+            options = (_Grid(xc, H, W, self.pool_size, self.num_heads), self.eps, self.convention)
             inputs = (xc, p_y, p_x, ratios, weight, bias)
             if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
                 y = _DynamicTokenNormFunction.apply(*inputs, options)
             else:
-                y = _normalize(*inputs, *options, track=False)[0]
+                y = _dtn_forward(*inputs, *options, keep=False)[0]
         return y.to(x.dtype)
 
     # ------------------------------------------------------------------ internals
@@ -299,179 +292,359 @@ class DynamicTokenNorm(nn.Module):
         return torch.sigmoid(gates.to(dtype)).repeat_interleave(d, dim=1)
 
 
+#: Elements per chunk of the full-resolution passes (1 MiB of float32). Chunks keep the working set
+#: in the core's cache, and their scratch buffers are allocated once per call: on CPUs, writing a
+#: freshly allocated input-sized buffer costs about ten passes over memory (page faults).
+_CHUNK_ELEMENTS = 1 << 20
+
+
 class _Grid:
-    """Layout helpers for tokens (B, N, C) on an H x W grid with s x s pooling cells.
+    """Layouts of tokens (B, N, C) on an H x W grid with s x s pooling cells and ``nh`` heads.
 
-    ``view(t)`` shows a token tensor (B, N, k) as (B, Hc, sy, Wc, sx, k) and ``cells(t)`` a cell
-    tensor (B, Hp, Wp, C) as (B, Hc, 1, Wc, 1, C), so that cell statistics broadcast to the tokens
-    of their cell without copies. If s does not divide H and W the cells are first upsampled to
-    tokens (nearest) and the layout uses unit cells."""
+    - Token tensors (B, N, k) are viewed as (B * rows, sy, cols, sx, k) (:meth:`tok`): rows x cols
+      blocks of sy x sx tokens, the pooling cells when s divides H and W, else single tokens.
+    - Cell tensors (B, Hp, Wp, C) broadcast against them as (B * rows, 1, cols, 1, C)
+      (:meth:`cells`), so that every token takes its cell's statistics without a copy.
+    - Full-resolution passes run over :meth:`chunks` of whole block rows.
+    - The positional products (Eq. 5) work per head on the cell grid: P_x^h multiplies every row of
+      cells in place of the token layout (a batched matrix product on strided views), and the
+      result is kept head-major, (nh, ..., Hp, Wp, d) with d = C / nh (:meth:`to_hm`,
+      :meth:`from_hm`), where P_y^h multiplies all columns at once.
+    """
 
-    def __init__(self, x, H, W, s):
+    def __init__(self, x, H, W, s, num_heads):
         B, N, C = x.shape
         self.B, self.C, self.H, self.W, self.s = B, C, H, W, s
+        self.nh, self.d = num_heads, C // num_heads
         self.Hp, self.Wp = -(-H // s), -(-W // s)
         self.divisible = H % s == 0 and W % s == 0
         if self.divisible:
-            self.shape6 = (B, self.Hp, s, self.Wp, s, C)
+            self.rows, self.sy, self.cols, self.sx = self.Hp, s, self.Wp, s
         else:
-            self.shape6 = (B, H, 1, W, 1, C)
-            self.rows = _cell_index(H, s, x.device)
-            self.cols = _cell_index(W, s, x.device)
+            self.rows, self.sy, self.cols, self.sx = H, 1, W, 1
+            self.row_cell = _cell_index(H, s, x.device)
+            self.col_cell = _cell_index(W, s, x.device)
         self.counts = _cell_counts(H, W, s, x.device, x.dtype)  # (Hp, Wp, 1) tokens per cell
+        total = B * self.rows
+        step = max(1, _CHUNK_ELEMENTS // max(1, self.sy * W * C))
+        self.chunks = [slice(i, min(i + step, total)) for i in range(0, total, step)]
+        self.chunk_numel = min(step, total) * self.sy * W * C
 
-    def view(self, t):
-        return t.view(*self.shape6[:-1], t.shape[-1])
+    def scratch(self, x, count):
+        """``count`` flat chunk-sized scratch buffers (see :func:`_like`)."""
+        return list(x.new_empty(count, self.chunk_numel).unbind(0))
+
+    def tok(self, t):
+        """(B, N, k) -> (B * rows, sy, cols, sx, k) view."""
+        return t.view(self.B * self.rows, self.sy, self.cols, self.sx, t.shape[-1])
 
     def cells(self, t):
+        """Cell tensor (B, Hp, Wp, k) -> (B * rows, 1, cols, 1, k), broadcasting to the tokens."""
         if not self.divisible:
-            t = t[:, self.rows][:, :, self.cols]
-        return t.view(self.shape6[0], self.shape6[1], 1, self.shape6[3], 1, self.C)
+            t = t[:, self.row_cell][:, :, self.col_cell]
+        return t.reshape(self.B * self.rows, 1, self.cols, 1, t.shape[-1])
+
+    def per_row(self, t):
+        """Per-image tensor (B, 1, 1, k) -> (B * rows, 1, 1, 1, k)."""
+        k = t.shape[-1]
+        return t.view(self.B, 1, k).expand(self.B, self.rows, k).reshape(-1, 1, 1, 1, k)
 
     def pool(self, t):
         """Average of every cell over its real tokens: (B, N, C) -> (B, Hp, Wp, C)."""
-        image = t.view(self.B, self.H, self.W, self.C)
+        image = t.view(self.B, self.H, self.W, t.shape[-1])
         if self.s == 1:
             return image
         # channels-last view; ceil-mode windows are clipped to the input and divide by their size
         pooled = F.avg_pool2d(image.permute(0, 3, 1, 2), self.s, self.s, ceil_mode=True)
-        return pooled.permute(0, 2, 3, 1)
+        return pooled.permute(0, 2, 3, 1).contiguous()
+
+    def pool_chunk(self, t):
+        """Cell means of a chunk of whole cell rows (k, s, Wp, s, C) -> (k, Wp, C); s divides H, W."""
+        k, s, C = t.shape[0], self.s, t.shape[-1]
+        pooled = F.avg_pool2d(t.view(k, s, self.W, C).permute(0, 3, 1, 2), s, s)
+        return pooled.permute(0, 2, 3, 1).reshape(k, self.Wp, C)
+
+    def cell_rows(self, t):
+        """Cell tensor (B, Hp, Wp, k) -> (B * Hp, Wp, k), indexed like the chunks when divisible."""
+        return t.view(self.B * self.Hp, self.Wp, t.shape[-1])
+
+    def split(self, t):
+        """(..., C) -> (..., nh, d) view."""
+        return t.view(*t.shape[:-1], self.nh, self.d)
+
+    def to_hm(self, t):
+        """(B, h, w, C) -> head-major (nh, B, h, w, d) view (h, w: the cell grid or 1)."""
+        return self.split(t).permute(3, 0, 1, 2, 4)
+
+    def from_hm(self, t):
+        """Head-major (nh, B, Hp, Wp, d) -> (B, Hp, Wp, nh, d) view."""
+        return t.permute(1, 2, 3, 0, 4)
+
+    def channels(self, v):
+        """Per-channel vector (C,) -> (nh, 1, 1, 1, d), broadcasting in the head-major layout."""
+        return v.view(self.nh, 1, 1, 1, self.d)
 
 
-def _inter_token_statistics(pooled, second, centre, p_y, p_x):
-    """Eq. 5's inter-token mean P^h x^h and variance P^h (x^h x^h) - (P^h x^h)^2 on the cell grid.
+def _like(buffer, t):
+    """The first t.numel() elements of a flat scratch buffer, shaped like t."""
+    return buffer[:t.numel()].view(t.shape)
 
-    Args:
-        pooled (Tensor): cell means of x, (B, Hp, Wp, C).
-        second (Tensor | None): cell means of (x - centre)^2; None takes (pooled - centre)^2.
-        centre (Tensor): per-channel constant (B, 1, 1, C) the moments are taken about (rows of P
-            sum to 1, so the result does not depend on it; it only avoids cancellation).
-        p_y, p_x (Tensor): factors of P^h = P_y^h (kron) P_x^h (Eq. 6).
+
+def _token_statistics(x, grid, convention):
+    """Eq. 2 and the cell moments of Eq. 5 in one chunked pass over x (B, N, C).
 
     Returns:
-        tuple[Tensor, Tensor]: mean and variance, (B, Hp, Wp, C) each.
-    """
-    B, Hp, Wp, C = pooled.shape
-    pooled_c = pooled - centre
-    if second is None:
-        second = pooled_c.square()
-    moments = _apply_positional(pooled_c, second, p_y, p_x)
-    first_moment, second_moment = (t.reshape(B, Hp, Wp, C) for t in moments)
-    mean_it = first_moment + centre
-    var_it = torch.addcmul(second_moment, first_moment, first_moment, value=-1).clamp_min(0)
-    return mean_it, var_it
-
-
-def _normalize(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, track):
-    """Eqs. 2, 4 and 5 for contiguous tokens x (B, N, C); ratios (4, C) as _channel_ratios.
-
-    Full-resolution work is done in two buffers with in-place operations (on CPUs, allocating a
-    large tensor costs several times more than a pass over it). With ``track`` the small cell-grid
-    computation (pooled moments -> inter-token statistics) keeps an autograd graph for backward.
-
-    Returns:
-        (y, state): output (B, N, C) and what the backward pass needs.
+        tuple: mean_ln, var_ln (B, N, 1); pooled cell means of x and centre, their mean over the
+        cells (B, Hp, Wp, C), (B, 1, 1, C); second, the cell means of (x - centre)^2, or None when
+        the second moment is the square of the pooled x (no pooling, or ``square_of_pooled``).
     """
     B, N, C = x.shape
-    lam_m, kap_m, lam_v, kap_v = ratios.unbind(0)
-    x6 = grid.view(x)
-    # Eq. 2: intra-token mean and variance in one fused pass of LayerNorm's kernel (eps = 0 gives
-    # rstd = 1 / sqrt(var), inf for constant tokens: var = 0); its normalised output only serves
-    # as the work buffer that becomes the output
-    y, mean_ln, rstd_ln = torch.native_layer_norm(x, (C, ), None, None, 0.0)
-    var_ln = rstd_ln.square().reciprocal_()
     n_var = C - 1 if convention.unbiased_ln_var else C
-    if n_var != C:
-        var_ln.mul_(C / n_var)
-    # Eq. 5 inputs: cell means of x and of (x - centre)^2
     pooled = grid.pool(x)
-    centre = pooled.mean(dim=(1, 2), keepdim=True)
-    second = None  # without pooling, the second moment is the square of the (pooled) x itself
-    if grid.s > 1 and not convention.square_of_pooled:
-        second = grid.pool(torch.sub(x, centre.flatten(1, 2), out=y).square_())
-    leaves = [t.detach().requires_grad_(track) if t is not None else None
-              for t in (pooled, second, p_y, p_x)]
-    with torch.set_grad_enabled(track):
-        mean_it, var_it = _inter_token_statistics(leaves[0], leaves[1], centre, *leaves[2:])
-    mi, vi = mean_it.detach(), var_it.detach()
-    # Eq. 5 (variance) + eps of Eq. 4: cell and token statistics meet at full resolution
-    rstd = torch.addcmul(grid.cells(kap_v * vi + eps), grid.view(var_ln), lam_v).rsqrt_()
-    # Eq. 4 with the mean of Eq. 5 written as x - mu = (x - mu_ln) - (1 - lam)(mu_it - mu_ln):
-    # exactly 0 for constant tokens, however close lam is to 0 or 1
-    y6 = grid.view(y)
-    torch.sub(x6, grid.view(mean_ln), out=y6)
-    y6.sub_(grid.cells(kap_m * mi)).addcmul_(grid.view(mean_ln), kap_m).mul_(rstd)
-    torch.addcmul(bias, y6, weight, out=y6)
-    state = (mean_ln, var_ln, n_var, centre, mean_it, var_it, leaves, rstd)
-    return y, state
+    centre = pooled.mean(dim=(1, 2), keepdim=True)  # rows of P sum to 1: any constant is exact
+    mean_ln, var_ln = x.new_empty(B, N, 1), x.new_empty(B, N, 1)
+    with_second = grid.s > 1 and not convention.square_of_pooled
+    second = x.new_empty(B, grid.Hp, grid.Wp, C) if with_second else None
+    chunked_second = with_second and grid.divisible
+    ones = x.new_ones(C)
+    centre_rows = grid.per_row(centre)
+    buffer, = grid.scratch(x, 1)
+    for rows in grid.chunks:
+        xc = grid.tok(x)[rows]
+        mc, vc = grid.tok(mean_ln)[rows], grid.tok(var_ln)[rows]
+        flat = (-1, C)
+        torch.mv(xc.view(flat), ones, out=mc.view(-1)).div_(C)  # a sum, then / C: exact for
+        diff = torch.sub(xc, mc, out=_like(buffer, xc)).square_()  # constant tokens; two-pass
+        # variance (no cancellation)
+        torch.mv(diff.view(flat), ones, out=vc.view(-1)).div_(n_var)
+        if chunked_second:
+            torch.sub(xc, centre_rows[rows], out=diff).square_()
+            grid.cell_rows(second)[rows] = grid.pool_chunk(diff)
+    if with_second and not chunked_second:
+        second.copy_(grid.pool(torch.sub(x.view(B, grid.H, grid.W, C), centre).square_()))
+    return mean_ln, var_ln, pooled, centre, second
+
+
+def _moments(pooled, centre, second, grid):
+    """The two inputs of the positional products in token layout, (2, B, Hp, Wp, C): pooled x -
+    centre and the second moment about centre (``second``, or the square of the first)."""
+    T = pooled.new_empty(2, *pooled.shape)
+    torch.sub(pooled, centre, out=T[0])
+    if second is None:
+        torch.square(T[0], out=T[1])
+    else:
+        T[1].copy_(second)
+    return T
+
+
+def _positional_products(T, p_y, p_x):
+    """Eq. 5: P^h = P_y^h (kron) P_x^h applied to both moments T (2, B, Hp, Wp, C).
+
+    Returns:
+        tuple: u (nh, 2, B, Hp, Wp, d), T multiplied by P_x^h along W, and m of the same layout,
+        whose first moment is P^h T_0 and whose second slot holds the inter-token variance
+        P^h T_1 - (P^h T_0)^2, clamped at 0 (about the centre).
+    """
+    u = _row_products(T, p_x)
+    nh, k, B, Hp, Wp, d = u.shape
+    m = torch.matmul(p_y[:, None], u.view(nh, k * B, Hp, Wp * d))  # sum over source rows
+    m = m.view(u.shape)
+    m[:, 1].addcmul_(m[:, 0], m[:, 0], value=-1).clamp_min_(0)
+    return u, m
+
+
+def _row_products(T, p_x):
+    """P_x^h times every row of cells of T (2, B, Hp, Wp, C) (sum over source columns), as
+    batched products on strided views of the token layout -> (nh, 2, B, Hp, Wp, d)."""
+    k, B, Hp, Wp, C = T.shape
+    nh = p_x.shape[0]
+    d = C // nh
+    rows = T.view(k * B * Hp, Wp, C)
+    u = T.new_empty(nh, k, B, Hp, Wp, d)
+    for h in range(nh):
+        torch.bmm(p_x[h].expand(rows.shape[0], Wp, Wp), rows[..., h * d:(h + 1) * d],
+                  out=u[h].view(-1, Wp, d))
+    return u
+
+
+def _axis_matrix_grad(du, rows, nh):
+    """dL/dP_x^h = sum over rows r and channels c of head h of du[h, r, :, c] rows[r, :, c]^T.
+
+    du (nh, R, Wp, d), rows (R, Wp, C) -> (nh, Wp, Wp). Narrow heads (d <= 32) gather both into
+    (nh, Wp, R * d) for one product per head; wide heads multiply row by row (faster there)."""
+    R, Wp, C = rows.shape
+    d = C // nh
+    if d <= 32:
+        a = du.permute(0, 2, 1, 3).reshape(nh, Wp, R * d)
+        b = rows.view(R, Wp, nh, d).permute(2, 1, 0, 3).reshape(nh, Wp, R * d)
+        return torch.bmm(a, b.transpose(1, 2))
+    return torch.stack([torch.matmul(du[h], rows[..., h * d:(h + 1) * d].transpose(1, 2)).sum(0)
+                        for h in range(nh)])
+
+
+def _cell_terms(m, centre, kap_m, kap_v, eps, grid, out=None):
+    """Cell parts of Eq. 5 in token layout (B, Hp, Wp, C): A = (1 - lam_m) mu_it and
+    V = (1 - lam_v) var_it + eps, written into ``out`` (2 * B * Hp * Wp * C elements) if given."""
+    shape = (grid.B, grid.Hp, grid.Wp, grid.C)
+    n = math.prod(shape)
+    if out is None:
+        out = m.new_empty(2 * n)
+    A, V = out.view(-1)[:n].view(shape), out.view(-1)[n:2 * n].view(shape)
+    torch.add(grid.from_hm(m[:, 0]), grid.split(centre), out=grid.split(A))
+    A.mul_(kap_m)
+    torch.mul(grid.from_hm(m[:, 1]), grid.split(kap_v), out=grid.split(V)).add_(eps)
+    return A, V
+
+
+def _dtn_forward(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, keep):
+    """Eqs. 2, 4, 5 for contiguous tokens x (B, N, C); ``ratios`` (4, C) as
+    DynamicTokenNorm._channel_ratios. Returns y and, with ``keep``, what the backward pass needs:
+    the per-token and cell statistics; the moments T only with pooling (without, they are as large
+    as x and cost two passes to recompute)."""
+    lam_m, kap_m, lam_v, kap_v = ratios.unbind(0)
+    mean_ln, var_ln, pooled, centre, second = _token_statistics(x, grid, convention)
+    T = _moments(pooled, centre, second, grid)
+    u, m = _positional_products(T, p_y, p_x)
+    A, V = _cell_terms(m, centre, kap_m, kap_v, eps, grid, out=u if grid.s == 1 else None)
+    y = torch.empty_like(x)
+    A_tok, V_tok = grid.cells(A), grid.cells(V)
+    buffer, = grid.scratch(x, 1)
+    for rows in grid.chunks:
+        xc, yc = grid.tok(x)[rows], grid.tok(y)[rows]
+        mc, vc = grid.tok(mean_ln)[rows], grid.tok(var_ln)[rows]
+        # Eq. 4 with Eq. 5: y = (x - lam mu_ln - (1 - lam) mu_it) / sqrt(var + eps) * w + b
+        torch.addcmul(xc, mc, lam_m, value=-1, out=yc).sub_(A_tok[rows])
+        yc.mul_(torch.addcmul(V_tok[rows], vc, lam_v, out=_like(buffer, xc)).rsqrt_())
+        torch.addcmul(bias, yc, weight, out=yc)
+    if not keep:
+        return y, None
+    return y, (mean_ln, var_ln, centre, second is not None, T if grid.s > 1 else None, m)
+
+
+def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
+    """Gradients of :func:`_dtn_forward` for x, p_y, p_x, ratios, weight and bias."""
+    B, N, C = x.shape
+    nh, Hp, Wp = grid.nh, grid.Hp, grid.Wp
+    lam_m, kap_m, lam_v, kap_v = ratios.unbind(0)
+    mean_ln, var_ln, centre, with_second, T, m = saved
+    if T is None:  # no pooling: T = (x - centre, its square)
+        T = _moments(grid.pool(x), centre, None, grid)
+    u = _row_products(T, p_x)
+    work = torch.empty_like(m)  # A and V, later dL/dm, later dL/dT (m itself stays unchanged)
+    A, V = _cell_terms(m, centre, kap_m, kap_v, eps, grid, out=work)
+    A_tok, V_tok = grid.cells(A), grid.cells(V)
+
+    # pass 1: D1 = g w rstd = -dL/dmu (into dx), D2 = D1 xhat rstd = -2 dL/dvar, and their sums
+    dx = torch.empty_like(x)
+    flat = (-1, C)
+    chunked_cells = grid.s > 1 and grid.divisible
+    d2_full = None if chunked_cells else torch.empty_like(x)
+    cell_d1 = x.new_empty(B, Hp, Wp, C) if chunked_cells else None
+    cell_d2 = x.new_empty(B, Hp, Wp, C) if chunked_cells else None
+    tok1, tok2 = x.new_empty(B, N, 1), x.new_empty(B, N, 1)
+    sums = []  # per chunk: grad_weight, grad_bias, sum mu_ln D1, sum var_ln D2
+    buffers = grid.scratch(x, 2)
+    for rows in grid.chunks:
+        xc, gc, dxc = grid.tok(x)[rows], grid.tok(g)[rows], grid.tok(dx)[rows]
+        mc, vc = grid.tok(mean_ln)[rows], grid.tok(var_ln)[rows]
+        r = torch.addcmul(V_tok[rows], vc, lam_v, out=_like(buffers[0], xc)).rsqrt_()
+        xh = torch.addcmul(xc, mc, lam_m, value=-1, out=_like(buffers[1], xc))
+        xh.sub_(A_tok[rows]).mul_(r)
+        d1 = torch.mul(gc, weight, out=dxc).mul_(r)
+        d2 = r.mul_(xh).mul_(d1)
+        if d2_full is not None:
+            d2 = grid.tok(d2_full)[rows].copy_(d2)
+        xh.mul_(gc)
+        torch.mv(d1.view(flat), lam_m, out=grid.tok(tok1)[rows].view(-1))
+        torch.mv(d2.view(flat), lam_v, out=grid.tok(tok2)[rows].view(-1))
+        sums.append(torch.stack([
+            xh.view(flat).sum(0), gc.reshape(flat).sum(0),
+            mc.reshape(1, -1).mm(d1.view(flat))[0], vc.reshape(1, -1).mm(d2.view(flat))[0]]))
+        if chunked_cells:
+            grid.cell_rows(cell_d1)[rows] = grid.pool_chunk(d1)
+            grid.cell_rows(cell_d2)[rows] = grid.pool_chunk(d2)
+    grad_weight, grad_bias, sum_mean_d1, sum_var_d2 = torch.stack(sums).sum(0)
+    if chunked_cells:  # cell means -> cell sums
+        cell_d1.mul_(grid.counts)
+        cell_d2.mul_(grid.counts)
+    elif grid.s > 1:
+        cell_d1 = grid.pool(dx) * grid.counts
+        cell_d2 = grid.pool(d2_full) * grid.counts
+    else:
+        cell_d1, cell_d2 = dx.view(B, Hp, Wp, C), d2_full.view(B, Hp, Wp, C)
+
+    # Eq. 5 weights: mu = lam_m mu_ln + (1 - lam_m) mu_it, var likewise; dL/dmu = -D1,
+    # dL/dvar = -D2 / 2
+    m1, var_it = m[:, 0], m[:, 1]
+    cell_d1_hm, cell_d2_hm = grid.to_hm(cell_d1), grid.to_hm(cell_d2)
+    mean_it_d1 = ((m1 * cell_d1_hm).sum((1, 2, 3)).flatten()
+                  + (centre.view(B, C) * cell_d1.sum((1, 2))).sum(0))
+    var_it_d2 = (var_it * cell_d2_hm).sum((1, 2, 3)).flatten()
+    grad_ratios = torch.stack([-sum_mean_d1, -mean_it_d1, -0.5 * sum_var_d2, -0.5 * var_it_d2])
+
+    # cell grid: dL/dm2 = dL/dvar_it [var_it > 0], dL/dm1 = dL/dmu_it - 2 m1 dL/dm2
+    dm = work
+    dm2 = torch.mul(cell_d2_hm, grid.channels(-0.5 * kap_v), out=dm[:, 1])
+    dm2.masked_fill_(var_it <= 0, 0)
+    torch.mul(m1, dm2, out=dm[:, 0]).mul_(-2).addcmul_(cell_d1_hm, grid.channels(-kap_m))
+    X = Wp * grid.d
+    dm, u_rows = dm.view(nh, 2 * B, Hp, X), u.view(nh, 2 * B, Hp, X)
+    grad_p_y = torch.matmul(dm, u_rows.transpose(-1, -2)).sum(1)
+    du = torch.matmul(p_y.transpose(1, 2)[:, None], dm, out=u_rows).view(nh, -1, Wp, grid.d)
+    rows = T.view(-1, Wp, C)
+    grad_p_x = _axis_matrix_grad(du, rows, nh)
+    dT = work.view(du.shape)
+    for h in range(nh):  # P_x^h transposed times every row of cells
+        torch.bmm(p_x[h].t().expand(rows.shape[0], Wp, Wp), du[h], out=dT[h])
+    dT = work
+    d_first, d_second = dT[:, 0], dT[:, 1]
+    counts = grid.counts[..., None]  # (Hp, Wp, 1, 1)
+    E = (d2_full if grid.s == 1 else x.new_empty(B * Hp * Wp * C)).view(B, Hp, Wp, C)
+    Fc = None
+    if with_second:  # second = cell mean of (x - centre)^2
+        Fc = x.new_empty(B, Hp, Wp, C)
+        torch.div(grid.from_hm(d_second), counts / 2, out=grid.split(Fc))
+        torch.div(grid.from_hm(d_first), counts, out=grid.split(E))
+        E.addcmul_(Fc, centre, value=-1)
+    else:  # second = first^2
+        d_first.addcmul_(grid.to_hm(T[0]), d_second, value=2)
+        torch.div(grid.from_hm(d_first), counts, out=grid.split(E))
+
+    # pass 2: dx = D1 + x (beta + F) + alpha + E, with beta, alpha from Eq. 2
+    n_var = C - 1 if convention.unbiased_ln_var else C
+    beta = tok2.mul_(-1.0 / n_var)  # dL/dvar_ln * 2 / n_var with dL/dvar_ln = -tok2 / 2
+    alpha = torch.addcmul(tok1.div_(-C), beta, mean_ln, value=-1)  # dL/dmu_ln / C - beta mu_ln
+    E_tok = grid.cells(E)
+    F_tok = grid.cells(Fc) if Fc is not None else None
+    for rows in grid.chunks:
+        xc, dxc = grid.tok(x)[rows], grid.tok(dx)[rows]
+        dxc.addcmul_(xc, grid.tok(beta)[rows]).add_(grid.tok(alpha)[rows]).add_(E_tok[rows])
+        if F_tok is not None:
+            dxc.addcmul_(xc, F_tok[rows])
+    return dx, grad_p_y, grad_p_x, grad_ratios, grad_weight, grad_bias
 
 
 class _DynamicTokenNormFunction(torch.autograd.Function):
-    """Eqs. 2, 4, 5 with a hand-written backward for the full-resolution part (the cell-grid part
-    is differentiated by autograd inside). Verified against autograd by gradcheck in the tests."""
+    """Eqs. 2, 4, 5 with a hand-written backward (verified by gradcheck and against autograd of
+    the dense formulation in the tests)."""
 
     @staticmethod
     def forward(ctx, x, p_y, p_x, ratios, weight, bias, options):
         grid, eps, convention = options
-        y, state = _normalize(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, True)
-        ctx.grid, ctx.state = grid, state
-        ctx.save_for_backward(x, ratios, weight)
+        y, saved = _dtn_forward(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, True)
+        ctx.options, ctx.saved = options, saved
+        ctx.save_for_backward(x, p_y, p_x, ratios, weight)
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
-        x, ratios, weight = ctx.saved_tensors
-        grid = ctx.grid
-        mean_ln, var_ln, n_var, centre, mean_it, var_it, leaves, rstd = ctx.state
-        lam_m, kap_m, lam_v, kap_v = ratios.unbind(0)
-        B, N, C = x.shape
-        g = grad_y.contiguous()
-        x6, g6 = grid.view(x), grid.view(g)
-        mi, vi = mean_it.detach(), var_it.detach()
-        flat = (-1, C)
-        grad_bias = g.view(flat).sum(0)
-        # xhat = (x - mu) * rstd, recomputed in the buffer that becomes D2 = g w xhat rstd^2
-        d2 = torch.sub(x6, grid.view(mean_ln))
-        d2.sub_(grid.cells(kap_m * mi)).addcmul_(grid.view(mean_ln), kap_m).mul_(rstd).mul_(g6)
-        grad_weight = d2.view(flat).sum(0)
-        d2.mul_(weight).mul_(rstd).mul_(rstd)
-        # D1 = g w rstd = -dL/dmu; later the buffer of dL/dx
-        d1 = torch.mul(g6, weight).mul_(rstd)
-        d1_3, d2_3 = d1.view(B, N, C), d2.view(B, N, C)
-        # Eq. 5 backward: dL/dmu = -D1, dL/dvar = -D2 / 2
-        cell_d1 = grid.pool(d1_3) * grid.counts  # sums over the tokens of each cell
-        cell_d2 = grid.pool(d2_3) * grid.counts
-        grad_mean_it = -kap_m * cell_d1
-        grad_var_it = -0.5 * kap_v * cell_d2
-        # the forward uses mu = mu_ln + (1 - lam_m) (mu_it - mu_ln): no gradient to lam_m itself
-        grad_ratios = torch.stack([
-            torch.zeros_like(lam_m),
-            (mean_ln.transpose(1, 2) @ d1_3).sum((0, 1)) - (mi * cell_d1).sum((0, 1, 2)),
-            -0.5 * (var_ln.transpose(1, 2) @ d2_3).sum((0, 1)),
-            -0.5 * (vi * cell_d2).sum((0, 1, 2)),
-        ])
-        grad_mean_ln = -(d1_3 @ (1 - kap_m)[:, None])  # (B, N, 1)
-        grad_var_ln = -0.5 * (d2_3 @ lam_v[:, None])
-        del d2, d2_3
-        # cell grid: autograd through P^h (Eq. 5, 6)
-        used = [t for t in leaves if t is not None]
-        grads = torch.autograd.grad((mean_it, var_it), used, (grad_mean_it, grad_var_it),
-                                    retain_graph=True, allow_unused=True)
-        grads = iter(grads)
-        g_pooled, g_second, g_py, g_px = (next(grads) if t is not None else None for t in leaves)
-        # dx = D1 + x (beta + F) + (alpha + E): beta, alpha from the intra-token statistics (Eq. 2),
-        # E, F from the cell means of x and (x - centre)^2
-        beta = grad_var_ln * (2.0 / n_var)
-        alpha = grad_mean_ln / C - beta * mean_ln
-        d1.addcmul_(x6, grid.view(beta)).add_(grid.view(alpha))
-        e_cells = g_pooled / grid.counts
-        if g_second is not None:
-            f_cells = g_second * (2.0 / grid.counts)
-            e_cells = e_cells - f_cells * centre
-            d1.addcmul_(x6, grid.cells(f_cells))
-        d1.add_(grid.cells(e_cells))
-        return d1_3, g_py, g_px, grad_ratios, grad_weight, grad_bias, None
+        x, p_y, p_x, ratios, weight = ctx.saved_tensors
+        grid, eps, convention = ctx.options
+        with torch.autocast(x.device.type, enabled=False):  # statistics in x's dtype
+            grads = _dtn_backward(grad_y.to(x.dtype).contiguous(), x, p_y, p_x, ratios, weight,
+                                  grid, eps, convention, ctx.saved)
+        return (*grads, None)
 
 
 def _softmax(logits):
@@ -479,23 +652,3 @@ def _softmax(logits):
     below that (< 2e-35) would be subnormal floats, which make matrix products on CPUs crawl."""
     shifted = logits - logits.detach().amax(dim=-1, keepdim=True)
     return torch.softmax(shifted.clamp_min(_LOGIT_FLOOR), dim=-1)
-
-
-def _apply_positional(first, second, p_y, p_x):
-    """P^h applied to two cell tensors (B, Hp, Wp, C), P^h = P_y^h (kron) P_x^h.
-
-    Two batched matrix products per head on one head-major copy of both inputs: along W
-    (right-multiplying by P_x^T) and along H (left-multiplying by P_y). Returns two
-    (B, Hp, Wp, heads, C / heads) views of the result."""
-    B, Hp, Wp, C = first.shape
-    nh = p_x.shape[0]
-    d = C // nh
-
-    def head_major(t):  # (heads, Hp, 1, B, d, Wp) view
-        return t.view(B, Hp, Wp, nh, d).permute(3, 1, 0, 4, 2).unsqueeze(2)
-
-    t = torch.cat([head_major(first), head_major(second)], dim=2).view(nh, Hp * 2 * B * d, Wp)
-    t = torch.bmm(t, p_x.transpose(1, 2))  # sum over source column j: P_x[i, j] t[..., j]
-    t = torch.bmm(p_y, t.view(nh, Hp, 2 * B * d * Wp))  # sum over source row j: P_y[i, j] t[j]
-    t = t.view(nh, Hp, 2, B, d, Wp).permute(2, 3, 1, 5, 0, 4)
-    return t[0], t[1]
