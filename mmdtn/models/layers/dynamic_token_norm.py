@@ -22,9 +22,11 @@ Implementation notes:
 - ``pool_size`` s > 1 computes the inter-token statistics on the ceil(H/s) x ceil(W/s) grid of
   average-pooled cells (border cells average only real tokens, distances in cells) and every token
   takes the statistics of its cell (the paper's "global average pooling", App. B.1).
-- The full-resolution part (Eqs. 2, 4, 5) has a hand-written backward and works in place in two
-  buffers per pass (large allocations cost more than passes over memory on CPUs); autograd handles
-  the small cell-grid part inside it. ``torch.autograd.gradcheck`` verifies it in the tests.
+- Forward and backward are written by hand (an autograd Function; ``torch.autograd.gradcheck`` and
+  the dense formulation verify them in the tests). Full-resolution work runs over chunks of whole
+  cell rows with scratch buffers reused across chunks: besides its output, a layer allocates
+  nothing as large as x. Backward keeps only x, per-token and cell statistics; with pooling also
+  the pooled moments, without it they are recomputed from x (two passes).
 - Statistics are computed in float32 (or float64) even under autocast; the output has x's dtype. The
   inter-token moments are taken about a per-channel constant (exact, since rows of P sum to 1),
   which avoids the cancellation of E[x^2] - E[x]^2 for features with large offsets.
@@ -460,10 +462,13 @@ def _row_products(T, p_x):
     nh = p_x.shape[0]
     d = C // nh
     rows = T.view(k * B * Hp, Wp, C)
+    factors = [p_x[h].expand(rows.shape[0], Wp, Wp) for h in range(nh)]
+    if torch.jit.is_tracing():  # FLOP counters of traced graphs expect bmm without out=
+        return torch.stack([torch.bmm(f, rows[..., h * d:(h + 1) * d])
+                            for h, f in enumerate(factors)]).view(nh, k, B, Hp, Wp, d)
     u = T.new_empty(nh, k, B, Hp, Wp, d)
-    for h in range(nh):
-        torch.bmm(p_x[h].expand(rows.shape[0], Wp, Wp), rows[..., h * d:(h + 1) * d],
-                  out=u[h].view(-1, Wp, d))
+    for h, f in enumerate(factors):
+        torch.bmm(f, rows[..., h * d:(h + 1) * d], out=u[h].view(-1, Wp, d))
     return u
 
 
