@@ -25,8 +25,8 @@ Implementation notes:
 - Forward and backward are written by hand (an autograd Function; ``torch.autograd.gradcheck`` and
   the dense formulation verify them in the tests). Full-resolution work runs over chunks of whole
   cell rows with scratch buffers reused across chunks: besides its output, a layer allocates
-  nothing as large as x. Backward keeps only x, per-token and cell statistics; with pooling also
-  the pooled moments, without it they are recomputed from x (two passes).
+  nothing as large as x. Backward keeps x and the per-token statistics; with pooling also the
+  (small) cell moments and statistics, without pooling those are recomputed from x.
 - Statistics are computed in float32 (or float64) even under autocast; the output has x's dtype. The
   inter-token moments are taken about a per-channel constant (exact, since rows of P sum to 1),
   which avoids the cancellation of E[x^2] - E[x]^2 for features with large offsets.
@@ -504,8 +504,8 @@ def _cell_terms(m, centre, kap_m, kap_v, eps, grid, out=None):
 def _dtn_forward(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, keep):
     """Eqs. 2, 4, 5 for contiguous tokens x (B, N, C); ``ratios`` (4, C) as
     DynamicTokenNorm._channel_ratios. Returns y and, with ``keep``, what the backward pass needs:
-    the per-token and cell statistics; the moments T only with pooling (without, they are as large
-    as x and cost two passes to recompute)."""
+    the per-token statistics and, with pooling, the cell moments and statistics (without pooling
+    they are as large as x, and recomputing them costs less than the memory of keeping them)."""
     lam_m, kap_m, lam_v, kap_v = ratios.unbind(0)
     mean_ln, var_ln, pooled, centre, second = _token_statistics(x, grid, convention)
     T = _moments(pooled, centre, second, grid)
@@ -523,7 +523,8 @@ def _dtn_forward(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, keep)
         torch.addcmul(bias, yc, weight, out=yc)
     if not keep:
         return y, None
-    return y, (mean_ln, var_ln, centre, second is not None, T if grid.s > 1 else None, m)
+    cell = (T, m) if grid.s > 1 else (None, None)
+    return y, (mean_ln, var_ln, centre, second is not None, *cell)
 
 
 def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
@@ -532,9 +533,11 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
     nh, Hp, Wp = grid.nh, grid.Hp, grid.Wp
     lam_m, kap_m, lam_v, kap_v = ratios.unbind(0)
     mean_ln, var_ln, centre, with_second, T, m = saved
-    if T is None:  # no pooling: T = (x - centre, its square)
+    if T is None:  # no pooling: T = (x - centre, its square), recomputed with m
         T = _moments(grid.pool(x), centre, None, grid)
-    u = _row_products(T, p_x)
+        u, m = _positional_products(T, p_y, p_x)
+    else:
+        u = _row_products(T, p_x)
     work = torch.empty_like(m)  # A and V, later dL/dm, later dL/dT (m itself stays unchanged)
     A, V = _cell_terms(m, centre, kap_m, kap_v, eps, grid, out=work)
     A_tok, V_tok = grid.cells(A), grid.cells(V)
