@@ -347,3 +347,23 @@ def test_build_norm_layer_and_registries():
     assert [n for n, _ in layer.named_parameters()] == [
         'weight', 'bias', 'mean_gate', 'var_gate', 'pos_coef'
     ]
+
+
+@pytest.mark.parametrize('chunk', [150, 250, 1000])
+@pytest.mark.parametrize('pool,hw', [(1, (7, 9)), (2, (8, 10)), (2, (7, 9)), (4, (12, 8))])
+def test_chunked_passes_equal_dense_reference(monkeypatch, pool, hw, chunk):
+    """Inputs split into chunks of one or more cell rows (the last one partial, chunks spanning
+    two images)."""
+    import mmdtn.models.layers.dynamic_token_norm as dtn_module
+    monkeypatch.setitem(dtn_module._CHUNK_ELEMENTS, 'cpu', chunk)
+    H, W = hw
+    norm = randomize(DynamicTokenNorm(12, 3, pool_size=pool)).double()
+    x = tokens(3, H, W, 12).requires_grad_()
+    g = torch.randn(3, H * W, 12, dtype=torch.float64)
+    y = norm(x, hw)
+    ref = dense_dtn(x, hw, norm)[0]
+    assert torch.allclose(y, ref, atol=1e-10)
+    grads = torch.autograd.grad((y * g).sum(), [x, *norm.parameters()])
+    ref_grads = torch.autograd.grad((ref * g).sum(), [x, *norm.parameters()])
+    for a, b in zip(grads, ref_grads):
+        assert torch.allclose(a, b, atol=1e-9)
