@@ -311,13 +311,13 @@ class _Grid:
       (:meth:`cells`), so that every token takes its cell's statistics without a copy.
     - Full-resolution passes run over :meth:`chunks` of whole block rows.
     - The positional products (Eq. 5) work per head on the cell grid: P_x^h multiplies every row of
-      cells in place of the token layout (a batched matrix product on strided views), and the
-      result is kept head-major, (nh, ..., Hp, Wp, d) with d = C / nh (:meth:`to_hm`,
-      :meth:`from_hm`), where P_y^h multiplies all columns at once.
+      cells directly in the token layout (a batched matrix product on strided views); the result
+      is head-major, (nh, ..., Hp, Wp, d) with d = C / nh (:meth:`to_hm`, :meth:`from_hm`), where
+      P_y^h multiplies all columns of a head at once.
     """
 
     def __init__(self, x, H, W, s, num_heads):
-        B, N, C = x.shape
+        B, _, C = x.shape
         self.B, self.C, self.H, self.W, self.s = B, C, H, W, s
         self.nh, self.d = num_heads, C // num_heads
         self.Hp, self.Wp = -(-H // s), -(-W // s)
@@ -364,7 +364,8 @@ class _Grid:
         return pooled.permute(0, 2, 3, 1).contiguous()
 
     def pool_chunk(self, t):
-        """Cell means of a chunk of whole cell rows (k, s, Wp, s, C) -> (k, Wp, C); s divides H, W."""
+        """Cell means of a chunk of whole cell rows, (k, s, Wp, s, C) -> (k, Wp, C) (divisible
+        grids only)."""
         k, s, C = t.shape[0], self.s, t.shape[-1]
         pooled = F.avg_pool2d(t.view(k, s, self.W, C).permute(0, 3, 1, 2), s, s)
         return pooled.permute(0, 2, 3, 1).reshape(k, self.Wp, C)
@@ -418,9 +419,9 @@ def _token_statistics(x, grid, convention):
         xc = grid.tok(x)[rows]
         mc, vc = grid.tok(mean_ln)[rows], grid.tok(var_ln)[rows]
         flat = (-1, C)
-        torch.mv(xc.view(flat), ones, out=mc.view(-1)).div_(C)  # a sum, then / C: exact for
-        diff = torch.sub(xc, mc, out=_like(buffer, xc)).square_()  # constant tokens; two-pass
-        # variance (no cancellation)
+        # mean as a sum / C (exact for constant tokens), variance in two passes (no cancellation)
+        torch.mv(xc.view(flat), ones, out=mc.view(-1)).div_(C)
+        diff = torch.sub(xc, mc, out=_like(buffer, xc)).square_()
         torch.mv(diff.view(flat), ones, out=vc.view(-1)).div_(n_var)
         if chunked_second:
             torch.sub(xc, centre_rows[rows], out=diff).square_()
