@@ -225,3 +225,52 @@ def test_prefix_selects_the_backbone_of_a_larger_checkpoint(tmp_path, log):
     with pytest.raises(ValueError, match="prefix 'decoder.'"):
         load_pretrained(model, pretrained(tmp_path / 'ckpt.pth', prefix='decoder'),
                         lambda s: s, log[0])
+
+
+def to_reference_format(state_dict, seed=0):
+    """DTN layers in the names of the authors' reference code (inverse of
+    ``convert_reference_state_dict``; ``pos_proj.bias`` is random: it cancels in the softmax)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, v in state_dict.items():
+        prefix, _, name = k.rpartition('.')
+        if name == 'mean_gate':
+            out[prefix + '.mean_norm_weight'] = v
+        elif name == 'var_gate':
+            out[prefix + '.var_norm_weight'] = v
+        elif name == 'pos_coef':  # [dd, dx, dy] with dx = source - output -> [dx', dy', dd]
+            out[prefix + '.pos_proj.weight'] = torch.stack([-v[:, 1], -v[:, 2], v[:, 0]], dim=1)
+            out[prefix + '.pos_proj.bias'] = torch.randn(v.shape[0], generator=g)
+        else:
+            out[k] = v
+    return out
+
+
+def test_reference_code_dtn_checkpoint_loads_and_reproduces_the_model(tmp_path, log):
+    torch.manual_seed(0)
+    source = PyramidVisionTransformerDTN(**PVT_TINY_1, dtn_reference_compat=True)
+    source.init_weights()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in source.named_parameters():
+            if name.endswith(('mean_gate', 'var_gate')):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith('pos_coef'):
+                p.copy_(torch.randn(p.shape, generator=g))
+                p[:, 0] = -0.2 - torch.rand(p.shape[0], generator=g)
+    path = tmp_path / 'pvt_tiny_dtn_reference.pth'
+    torch.save(to_reference_format(source.state_dict()), path)
+    model = PyramidVisionTransformerDTN(**PVT_TINY_1, convert_weights=False,
+                                        dtn_reference_compat=True)
+    report = load_pretrained(model, pretrained(path),
+                             lambda sd: pvt_checkpoint_to_mmdet(sd, False), log[0])
+    assert not report.missing and not report.unused and not report.dtn_initialised
+    assert any("6 DTN layers from the reference code's format" in m for m in log[1])
+    assert not any('dtn_reference_compat=True' in m for m in log[1])
+    assert max_output_diff(source, model, torch.randn(2, 3, 64, 96)) <= 1e-6
+    # a backbone computing the paper's statistics loads the weights too, with a warning
+    plain = PyramidVisionTransformerDTN(**PVT_TINY_1, convert_weights=False)
+    report = load_pretrained(plain, pretrained(path),
+                             lambda sd: pvt_checkpoint_to_mmdet(sd, False), log[0])
+    assert not report.missing and not report.unused
+    assert any('dtn_reference_compat=True' in m for m in log[1])

@@ -25,7 +25,8 @@ DTN_INITS = ('paper', 'layernorm')
 
 
 class DTNStageSettings(dict):
-    """DTN settings of one stage: ``num_heads``, ``pool_size``, ``init`` (a plain dict)."""
+    """DTN settings of one stage: ``num_heads``, ``pool_size``, ``init``, ``reference_compat``
+    (a plain dict)."""
 
 
 def _per_stage(value, num_stages: int, name: str) -> list:
@@ -41,7 +42,8 @@ def dtn_stage_settings(num_stages: int,
                        dtn_stages: Union[bool, Sequence[bool]],
                        dtn_heads: Union[int, Sequence[int]],
                        dtn_pool_sizes: Union[int, Sequence[int]],
-                       dtn_init: Union[str, Sequence[str]]) -> List[Optional[DTNStageSettings]]:
+                       dtn_init: Union[str, Sequence[str]],
+                       dtn_reference_compat: bool = False) -> List[Optional[DTNStageSettings]]:
     """Validate the per-stage DTN settings of a backbone.
 
     Each setting is a single value for all stages or a list with one value per stage.
@@ -52,6 +54,7 @@ def dtn_stage_settings(num_stages: int,
         dtn_heads: DTN heads (channel groups) of each stage.
         dtn_pool_sizes: pooling size ``s`` of DTN's inter-token statistics in each stage.
         dtn_init: 'paper' (Eq. 7, gates 0) or 'layernorm' (equal to LayerNorm at init) per stage.
+        dtn_reference_compat: statistics as the authors' reference code computes them (all stages).
 
     Returns:
         one entry per stage: ``None`` for a LayerNorm stage, else a :class:`DTNStageSettings`.
@@ -73,7 +76,8 @@ def dtn_stage_settings(num_stages: int,
             raise ValueError(f'dtn_pool_sizes of stage {i} must be a positive int, got {s!r}')
         if init not in DTN_INITS:
             raise ValueError(f'dtn_init of stage {i} must be one of {DTN_INITS}, got {init!r}')
-        settings.append(DTNStageSettings(num_heads=h, pool_size=s, init=init))
+        settings.append(DTNStageSettings(num_heads=h, pool_size=s, init=init,
+                                         reference_compat=bool(dtn_reference_compat)))
     return settings
 
 
@@ -87,7 +91,8 @@ def dtn_like(norm: nn.Module, settings: DTNStageSettings) -> DynamicTokenNorm:
         raise ValueError(f'DTN heads ({settings["num_heads"]}) must divide the embedding dims '
                          f'({num_features})')
     dtn = DynamicTokenNorm(num_features, settings['num_heads'], pool_size=settings['pool_size'],
-                           eps=norm.eps, init=settings['init'])
+                           eps=norm.eps, init=settings['init'],
+                           reference_compat=settings.get('reference_compat', False))
     return dtn.to(device=norm.weight.device, dtype=norm.weight.dtype) \
         if norm.weight is not None else dtn
 

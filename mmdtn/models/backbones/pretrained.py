@@ -9,12 +9,17 @@ Accepted checkpoints (``init_cfg=dict(type='Pretrained', checkpoint=..., prefix=
 - mmdet-format weights (a backbone's ``state_dict()``, or a detector / classifier checkpoint whose
   backbone keys start with ``backbone.``, or with ``prefix``).
 
+DTN layers saved by the authors' reference code (``mean_norm_weight``, ``var_norm_weight``,
+``pos_proj.weight``) are converted with :func:`convert_reference_state_dict`; a backbone built with
+``dtn_reference_compat=True`` then reproduces that code's outputs (without it, loading warns).
+
 The block LayerNorms' ``weight``/``bias`` load into DTN's ``weight``/``bias`` (same names). DTN-only
 parameters (``mean_gate``, ``var_gate``, ``pos_coef``) and a Dual PatchNorm patch LayerNorm absent
 from the checkpoint keep their configured initialisation; this is logged, as is every other key
 that was not loaded or not used. A shape mismatch raises ``ValueError`` naming the key and both
 shapes.
 """
+import logging
 import os.path as osp
 import re
 from collections import OrderedDict
@@ -31,6 +36,7 @@ from mmengine.runner.checkpoint import CheckpointLoader
 
 from ..layers.dual_patchnorm import PatchNormConv2d
 from ..layers.dynamic_token_norm import DynamicTokenNorm
+from ..layers.reference_compat import convert_reference_state_dict
 
 __all__ = [
     'LoadReport', 'load_pretrained', 'read_state_dict', 'load_state_dict_checked',
@@ -280,4 +286,23 @@ def load_pretrained(model: nn.Module, init_cfg: Mapping,
                          f'checkpoint=...) only, got {init_cfg!r}')
     state_dict = read_state_dict(init_cfg['checkpoint'], init_cfg.get('prefix'), logger)
     print_log(f'{type(model).__name__}: loading {init_cfg["checkpoint"]}', logger=logger)
-    return load_state_dict_checked(model, to_mmdet(state_dict), logger)
+    return load_state_dict_checked(model, _from_reference_format(model, to_mmdet(state_dict),
+                                                                 logger), logger)
+
+
+def _from_reference_format(model: nn.Module, state_dict: StateDict, logger) -> StateDict:
+    """Convert DTN layers saved by the authors' reference code, if there are any."""
+    layers = [k[:-len('var_norm_weight')] for k in state_dict if k.endswith('.var_norm_weight')]
+    if not layers:
+        return state_dict
+    name = type(model).__name__
+    print_log(f"{name}: converting {len(layers)} DTN layers from the reference code's format",
+              logger=logger)
+    plain = [n for n, m in model.named_modules()
+             if isinstance(m, DynamicTokenNorm) and not m.reference_compat]
+    if plain:
+        print_log(f'{name}: the checkpoint holds DTN layers of the reference code, but '
+                  f'{len(plain)} DTN layers (e.g. {plain[0]}) compute the paper\'s statistics; '
+                  'build the backbone with dtn_reference_compat=True to reproduce that code\'s '
+                  'outputs', logger=logger, level=logging.WARNING)
+    return convert_reference_state_dict(state_dict)

@@ -48,12 +48,13 @@ class _PVTDTNMixin:
                  dtn_heads: Union[int, Sequence[int]] = (4, 4, 5, 8),
                  dtn_pool_sizes: Union[int, Sequence[int]] = (4, 2, 1, 1),
                  dtn_init: Union[str, Sequence[str]] = 'paper',
+                 dtn_reference_compat: bool = False,
                  dual_patchnorm: bool = False,
                  with_cp: bool = False,
                  **kwargs):
         super().__init__(*args, **kwargs)
         self.dtn_settings = dtn_stage_settings(self.num_stages, dtn_stages, dtn_heads,
-                                               dtn_pool_sizes, dtn_init)
+                                               dtn_pool_sizes, dtn_init, dtn_reference_compat)
         self.with_cp = with_cp
         for (_, blocks, _), settings in zip(self.layers, self.dtn_settings):
             for block in blocks:
@@ -91,6 +92,9 @@ class PyramidVisionTransformerDTN(_PVTDTNMixin, PyramidVisionTransformer):
             stage. Default: (4, 2, 1, 1) (paper App. B.1).
         dtn_init (str | Sequence[str]): 'paper' (Eq. 7, gates 0) or 'layernorm' (a fresh DTN
             equals LayerNorm: for inserting DTN into an LN-pretrained network). Default: 'paper'.
+        dtn_reference_compat (bool): DTN statistics as the authors' reference code computes them
+            (:mod:`mmdtn.models.layers.reference_compat`), to reproduce models trained with it;
+            checkpoints in that code's format are converted on loading. Default: False.
         dual_patchnorm (bool): LayerNorm each flattened stage-1 patch before the projection (the
             LayerNorm after it is kept). Default: False.
         with_cp (bool): gradient checkpointing of every encoder layer (mmdet's PVT has none).

@@ -50,6 +50,9 @@ class SwinTransformerDTN(SwinTransformer):
             stage. Default: (4, 2, 1, 1) (paper App. B.1).
         dtn_init (str | Sequence[str]): 'paper' (Eq. 7, gates 0) or 'layernorm' (a fresh DTN
             equals LayerNorm). Default: 'paper'.
+        dtn_reference_compat (bool): DTN statistics as the authors' reference code computes them
+            (:mod:`mmdtn.models.layers.reference_compat`), to reproduce models trained with it;
+            checkpoints in that code's format are converted on loading. Default: False.
         dual_patchnorm (bool): LayerNorm each flattened patch before the patch projection (the
             LayerNorm after it, ``patch_norm=True``, is kept). Default: False.
     """
@@ -60,6 +63,7 @@ class SwinTransformerDTN(SwinTransformer):
                  dtn_heads: Optional[Union[int, Sequence[int]]] = None,
                  dtn_pool_sizes: Union[int, Sequence[int]] = (4, 2, 1, 1),
                  dtn_init: Union[str, Sequence[str]] = 'paper',
+                 dtn_reference_compat: bool = False,
                  dual_patchnorm: bool = False,
                  **kwargs):
         super().__init__(*args, **kwargs)
@@ -67,7 +71,7 @@ class SwinTransformerDTN(SwinTransformer):
             dtn_heads = [stage.blocks[0].attn.w_msa.num_heads if len(stage.blocks) else 1
                          for stage in self.stages]
         self.dtn_settings = dtn_stage_settings(len(self.stages), dtn_stages, dtn_heads,
-                                               dtn_pool_sizes, dtn_init)
+                                               dtn_pool_sizes, dtn_init, dtn_reference_compat)
         for stage, settings in zip(self.stages, self.dtn_settings):
             for block in stage.blocks:
                 SwinBlockDTN.convert(block, settings)
