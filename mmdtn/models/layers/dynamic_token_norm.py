@@ -594,22 +594,21 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
     var_it_d2 = (var_it * cell_d2_hm).sum((1, 2, 3)).flatten()
     grad_ratios = torch.stack([-sum_mean_d1, -mean_it_d1, -0.5 * sum_var_d2, -0.5 * var_it_d2])
 
-    # cell grid: dL/dm2 = dL/dvar_it [var_it > 0], dL/dm1 = dL/dmu_it - 2 m1 dL/dm2
-    dm = work
-    dm2 = torch.mul(cell_d2_hm, grid.channels(-0.5 * kap_v), out=dm[:, 1])
+    # cell grid, dL/dm into work: dL/dm2 = dL/dvar_it [var_it > 0],
+    # dL/dm1 = dL/dmu_it - 2 m1 dL/dm2
+    dm2 = torch.mul(cell_d2_hm, grid.channels(-0.5 * kap_v), out=work[:, 1])
     dm2.masked_fill_(var_it <= 0, 0)
-    torch.mul(m1, dm2, out=dm[:, 0]).mul_(-2).addcmul_(cell_d1_hm, grid.channels(-kap_m))
+    torch.mul(m1, dm2, out=work[:, 0]).mul_(-2).addcmul_(cell_d1_hm, grid.channels(-kap_m))
     X = Wp * grid.d
-    dm, u_rows = dm.view(nh, 2 * B, Hp, X), u.view(nh, 2 * B, Hp, X)
+    dm, u_rows = work.view(nh, 2 * B, Hp, X), u.view(nh, 2 * B, Hp, X)
     grad_p_y = torch.matmul(dm, u_rows.transpose(-1, -2)).sum(1)
     du = torch.matmul(p_y.transpose(1, 2)[:, None], dm, out=u_rows).view(nh, -1, Wp, grid.d)
     rows = T.view(-1, Wp, C)
     grad_p_x = _axis_matrix_grad(du, rows, nh)
-    dT = work.view(du.shape)
+    dT = work.view(du.shape)  # dL/dT into work
     for h in range(nh):  # P_x^h transposed times every row of cells
         torch.bmm(p_x[h].t().expand(rows.shape[0], Wp, Wp), du[h], out=dT[h])
-    dT = work
-    d_first, d_second = dT[:, 0], dT[:, 1]
+    d_first, d_second = work[:, 0], work[:, 1]
     counts = grid.counts[..., None]  # (Hp, Wp, 1, 1)
     E = (d2_full if grid.s == 1 else x.new_empty(B * Hp * Wp * C)).view(B, Hp, Wp, C)
     Fc = None
