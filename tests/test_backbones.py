@@ -113,8 +113,10 @@ def test_bad_settings_are_named(kwargs, match):
 
 def test_stage_settings_helper():
     s = dtn_stage_settings(2, True, [2, 4], 1, 'layernorm')
-    assert s == [dict(num_heads=2, pool_size=1, init='layernorm'),
-                 dict(num_heads=4, pool_size=1, init='layernorm')]
+    assert s == [dict(num_heads=2, pool_size=1, init='layernorm', reference_compat=False),
+                 dict(num_heads=4, pool_size=1, init='layernorm', reference_compat=False)]
+    s = dtn_stage_settings(2, [False, True], 3, [4, 2], 'paper', dtn_reference_compat=True)
+    assert s == [None, dict(num_heads=3, pool_size=2, init='paper', reference_compat=True)]
 
 
 @pytest.mark.parametrize('name', list(CASES))
