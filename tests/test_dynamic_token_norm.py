@@ -105,6 +105,23 @@ def test_positional_matrix_is_dense_softmax_and_stochastic():
         assert torch.allclose(P.sum(-1), torch.ones(3, Hp * Wp, dtype=P.dtype), atol=1e-12)
 
 
+def test_negligible_positional_weights_are_exact_zeros():
+    """Weights below 2e-22 of their row's maximum become exact zeros instead of subnormal floats
+    (which would slow matrix products down); the matrix stays a softmax to float64 precision."""
+    norm = DynamicTokenNorm(8, 4).double()
+    with torch.no_grad():
+        norm.pos_coef.copy_(torch.tensor([[-1.0, 2.0, 0.0], [-3.0, 0.0, -2.0],
+                                          [-0.5, 8.0, 8.0], [-1e-3, 0.0, 0.0]]))
+    P = norm.positional_matrix((40, 60))
+    assert torch.allclose(P, dense_positional_matrix(norm.pos_coef, 40, 60), atol=1e-15, rtol=0)
+    assert torch.allclose(P.sum(-1), torch.ones_like(P[..., 0]), atol=1e-12)
+    assert (P == 0).any() and (P[3] > 0).all()  # the near-uniform head keeps every weight
+    for p in norm.float().axis_matrices((40, 60)):
+        row_max = p.amax(-1, keepdim=True)
+        assert torch.all((p == 0) | (p >= math.exp(-50.0) * 0.999 * row_max))
+        assert not torch.any((p != 0) & (p < torch.finfo(torch.float32).tiny))
+
+
 def test_layernorm_limit():
     """Gates -> +inf: lambda = 1, DTN degrades into LN (Sec. 3.2, 'Representation capacity')."""
     for pool, (H, W) in [(1, (5, 7)), (2, (6, 6)), (4, (9, 10))]:
