@@ -309,10 +309,11 @@ class _Grid:
     - Cell tensors (B, Hp, Wp, C) broadcast against them as (B * rows, 1, cols, 1, C)
       (:meth:`cells`), so that every token takes its cell's statistics without a copy.
     - Full-resolution passes run over :meth:`chunks` of whole block rows.
-    - The positional products (Eq. 5) work per head on the cell grid: P_x^h multiplies every row of
-      cells directly in the token layout (a batched matrix product on strided views); the result
-      is head-major, (nh, ..., Hp, Wp, d) with d = C / nh (:meth:`to_hm`, :meth:`from_hm`), where
-      P_y^h multiplies all columns of a head at once.
+    - The positional products (Eq. 5) work per head on the cell grid, d = C / nh channels each.
+      Their inputs are column-major, (nh, Wp, ..., Hp, d) (:meth:`to_cm`, :meth:`from_cm`), so that
+      P_x^h multiplies all of a head's columns in one matrix product, and so does its gradient.
+      The result is transposed to head-major, (nh, ..., Hp, Wp, d) (:meth:`to_hm`,
+      :meth:`from_hm`), where P_y^h multiplies all rows of a head at once.
     """
 
     def __init__(self, x, H, W, s, num_heads):
@@ -385,6 +386,14 @@ class _Grid:
         """Head-major (nh, B, Hp, Wp, d) -> (B, Hp, Wp, nh, d) view."""
         return t.permute(1, 2, 3, 0, 4)
 
+    def to_cm(self, t):
+        """(B, h, w, C) -> column-major (nh, w, B, h, d) view (h, w: the cell grid or 1)."""
+        return self.split(t).permute(3, 2, 0, 1, 4)
+
+    def from_cm(self, t):
+        """Column-major (nh, Wp, B, Hp, d) -> (B, Hp, Wp, nh, d) view."""
+        return t.permute(2, 3, 1, 0, 4)
+
     def channels(self, v):
         """Per-channel vector (C,) -> (nh, 1, 1, 1, d), broadcasting in the head-major layout."""
         return v.view(self.nh, 1, 1, 1, self.d)
@@ -431,63 +440,46 @@ def _token_statistics(x, grid, convention):
 
 
 def _moments(pooled, centre, second, grid):
-    """The two inputs of the positional products in token layout, (2, B, Hp, Wp, C): pooled x -
+    """The two inputs of the positional products, column-major (nh, Wp, 2, B, Hp, d): pooled x -
     centre and the second moment about centre (``second``, or the square of the first)."""
-    T = pooled.new_empty(2, *pooled.shape)
-    torch.sub(pooled, centre, out=T[0])
+    T = pooled.new_empty(grid.nh, grid.Wp, 2, grid.B, grid.Hp, grid.d)
+    torch.sub(grid.to_cm(pooled), grid.to_cm(centre), out=T[:, :, 0])
     if second is None:
-        torch.square(T[0], out=T[1])
+        torch.square(T[:, :, 0], out=T[:, :, 1])
     else:
-        T[1].copy_(second)
+        T[:, :, 1].copy_(grid.to_cm(second))
     return T
 
 
 def _positional_products(T, p_y, p_x):
-    """Eq. 5: P^h = P_y^h (kron) P_x^h applied to both moments T (2, B, Hp, Wp, C).
+    """Eq. 5: P^h = P_y^h (kron) P_x^h applied to both moments T (nh, Wp, 2, B, Hp, d).
 
     Returns:
-        tuple: u (nh, 2, B, Hp, Wp, d), T multiplied by P_x^h along W, and m of the same layout,
-        whose first moment is P^h T_0 and whose second slot holds the inter-token variance
-        P^h T_1 - (P^h T_0)^2, clamped at 0 (about the centre).
+        tuple: u (nh, 2, B, Hp, Wp, d), T multiplied by P_x^h along W, head-major, and m of the
+        same layout, whose first moment is P^h T_0 and whose second slot holds the inter-token
+        variance P^h T_1 - (P^h T_0)^2, clamped at 0 (about the centre).
     """
     u = _row_products(T, p_x)
     nh, k, B, Hp, Wp, d = u.shape
-    m = torch.matmul(p_y[:, None], u.view(nh, k * B, Hp, Wp * d))  # sum over source rows
-    m = m.view(u.shape)
+    factors = p_y[:, None].expand(nh, k * B, Hp, Hp).reshape(-1, Hp, Hp)
+    m = _bmm(factors, u.view(-1, Hp, Wp * d)).view(u.shape)  # sum over source rows
     m[:, 1].addcmul_(m[:, 0], m[:, 0], value=-1).clamp_min_(0)
     return u, m
 
 
 def _row_products(T, p_x):
-    """P_x^h times every row of cells of T (2, B, Hp, Wp, C) (sum over source columns), as
-    batched products on strided views of the token layout -> (nh, 2, B, Hp, Wp, d)."""
-    k, B, Hp, Wp, C = T.shape
-    nh = p_x.shape[0]
-    d = C // nh
-    rows = T.view(k * B * Hp, Wp, C)
-    factors = [p_x[h].expand(rows.shape[0], Wp, Wp) for h in range(nh)]
-    if torch.jit.is_tracing():  # FLOP counters of traced graphs expect bmm without out=
-        return torch.stack([torch.bmm(f, rows[..., h * d:(h + 1) * d])
-                            for h, f in enumerate(factors)]).view(nh, k, B, Hp, Wp, d)
-    u = T.new_empty(nh, k, B, Hp, Wp, d)
-    for h, f in enumerate(factors):
-        torch.bmm(f, rows[..., h * d:(h + 1) * d], out=u[h].view(-1, Wp, d))
-    return u
+    """P_x^h times every row of cells (sum over source columns), one matrix product per head on
+    the column-major T (nh, Wp, 2, B, Hp, d) -> head-major (nh, 2, B, Hp, Wp, d)."""
+    nh, Wp, k, B, Hp, d = T.shape
+    t = _bmm(p_x, T.view(nh, Wp, -1)).view(T.shape)
+    return t.permute(0, 2, 3, 4, 1, 5).contiguous()
 
 
-def _axis_matrix_grad(du, rows, nh):
-    """dL/dP_x^h = sum over rows r and channels c of head h of du[h, r, :, c] rows[r, :, c]^T.
-
-    du (nh, R, Wp, d), rows (R, Wp, C) -> (nh, Wp, Wp). Narrow heads (d <= 32) gather both into
-    (nh, Wp, R * d) for one product per head; wide heads multiply row by row (faster there)."""
-    R, Wp, C = rows.shape
-    d = C // nh
-    if d <= 32:
-        a = du.permute(0, 2, 1, 3).reshape(nh, Wp, R * d)
-        b = rows.view(R, Wp, nh, d).permute(2, 1, 0, 3).reshape(nh, Wp, R * d)
-        return torch.bmm(a, b.transpose(1, 2))
-    return torch.stack([torch.matmul(du[h], rows[..., h * d:(h + 1) * d].transpose(1, 2)).sum(0)
-                        for h in range(nh)])
+def _bmm(a, b, out=None):
+    """torch.bmm, into ``out`` if given (FLOP counters of traced graphs expect bmm without out=)."""
+    if out is None or torch.jit.is_tracing():
+        return torch.bmm(a, b)
+    return torch.bmm(a, b, out=out)
 
 
 def _cell_terms(m, centre, kap_m, kap_v, eps, grid, out=None):
@@ -598,27 +590,28 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
     dm2 = torch.mul(cell_d2_hm, grid.channels(-0.5 * kap_v), out=work[:, 1])
     dm2.masked_fill_(var_it <= 0, 0)
     torch.mul(m1, dm2, out=work[:, 0]).mul_(-2).addcmul_(cell_d1_hm, grid.channels(-kap_m))
-    X = Wp * grid.d
-    dm, u_rows = work.view(nh, 2 * B, Hp, X), u.view(nh, 2 * B, Hp, X)
-    grad_p_y = torch.matmul(dm, u_rows.transpose(-1, -2)).sum(1)
-    du = torch.matmul(p_y.transpose(1, 2)[:, None], dm, out=u_rows).view(nh, -1, Wp, grid.d)
-    rows = T.view(-1, Wp, C)
-    grad_p_x = _axis_matrix_grad(du, rows, nh)
-    dT = work.view(du.shape)  # dL/dT into work
-    for h in range(nh):  # P_x^h transposed times every row of cells
-        torch.bmm(p_x[h].t().expand(rows.shape[0], Wp, Wp), du[h], out=dT[h])
-    d_first, d_second = work[:, 0], work[:, 1]
+    d = grid.d
+    dm, u_rows = work.view(-1, Hp, Wp * d), u.view(-1, Hp, Wp * d)
+    grad_p_y = _bmm(dm, u_rows.transpose(1, 2)).view(nh, 2 * B, Hp, Hp).sum(1)
+    factors = p_y.transpose(1, 2)[:, None].expand(nh, 2 * B, Hp, Hp).reshape(-1, Hp, Hp)
+    du = _bmm(factors, dm, out=u_rows)  # dL/du, head-major, into u
+    du_cm = work.view(nh, Wp, 2, B, Hp, d)  # dL/du, column-major, into work
+    du_cm.copy_(du.view(nh, 2, B, Hp, Wp, d).permute(0, 4, 1, 2, 3, 5))
+    du_cm = du_cm.view(nh, Wp, -1)
+    grad_p_x = _bmm(du_cm, T.view(nh, Wp, -1).transpose(1, 2))
+    dT = _bmm(p_x.transpose(1, 2), du_cm, out=u.view(nh, Wp, -1)).view(T.shape)  # into u
+    d_first, d_second = dT[:, :, 0], dT[:, :, 1]
     counts = grid.counts[..., None]  # (Hp, Wp, 1, 1)
     E = (d2_full if grid.s == 1 else x.new_empty(B * Hp * Wp * C)).view(B, Hp, Wp, C)
     Fc = None
     if with_second:  # second = cell mean of (x - centre)^2
         Fc = x.new_empty(B, Hp, Wp, C)
-        torch.div(grid.from_hm(d_second), counts / 2, out=grid.split(Fc))
-        torch.div(grid.from_hm(d_first), counts, out=grid.split(E))
+        torch.div(grid.from_cm(d_second), counts / 2, out=grid.split(Fc))
+        torch.div(grid.from_cm(d_first), counts, out=grid.split(E))
         E.addcmul_(Fc, centre, value=-1)
     else:  # second = first^2
-        d_first.addcmul_(grid.to_hm(T[0]), d_second, value=2)
-        torch.div(grid.from_hm(d_first), counts, out=grid.split(E))
+        d_first.addcmul_(T[:, :, 0], d_second, value=2)
+        torch.div(grid.from_cm(d_first), counts, out=grid.split(E))
 
     # pass 2: dx = D1 + x (beta + F) + alpha + E, with beta, alpha from Eq. 2
     n_var = C - 1 if convention.unbiased_ln_var else C
