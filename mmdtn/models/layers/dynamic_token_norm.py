@@ -24,9 +24,10 @@ Implementation notes:
   takes the statistics of its cell (the paper's "global average pooling", App. B.1).
 - Forward and backward are written by hand (an autograd Function; ``torch.autograd.gradcheck`` and
   the dense formulation verify them in the tests). Full-resolution work runs over chunks of whole
-  cell rows with scratch buffers reused across chunks: besides its output, a layer allocates
-  nothing as large as x. Backward keeps x and the per-token statistics; with pooling also the
-  (small) cell moments and statistics, without pooling those are recomputed from x.
+  cell rows with scratch buffers reused across chunks. Without pooling, the statistics of Eq. 5
+  are as large as x and are formed chunk by chunk from the positional products, never in full.
+  Backward keeps x and the per-token statistics; with pooling also the (small) cell moments and
+  statistics, without pooling those are recomputed from x.
 - Statistics are computed in float32 (or float64) even under autocast; the output has x's dtype. The
   inter-token moments are taken about a per-channel constant (exact, since rows of P sum to 1),
   which avoids the cancellation of E[x^2] - E[x]^2 for features with large offsets.
@@ -394,6 +395,15 @@ class _Grid:
         """Column-major (nh, Wp, B, Hp, d) -> (B, Hp, Wp, nh, d) view."""
         return t.permute(2, 3, 1, 0, 4)
 
+    def hm_rows(self, t):
+        """Head-major (nh, B, H, W, d) -> (B * H, 1, W, 1, nh, d) view, indexed like the chunks of
+        :meth:`tok` (no pooling)."""
+        return t.permute(1, 2, 3, 0, 4).reshape(self.B * self.H, 1, self.W, 1, self.nh, self.d)
+
+    def cm_rows(self, t):
+        """Column-major (nh, W, B, H, d) -> (B * H, 1, W, 1, nh, d) view (no pooling)."""
+        return self.from_cm(t).reshape(self.B * self.H, 1, self.W, 1, self.nh, self.d)
+
     def channels(self, v):
         """Per-channel vector (C,) -> (nh, 1, 1, 1, d), broadcasting in the head-major layout."""
         return v.view(self.nh, 1, 1, 1, self.d)
@@ -451,19 +461,20 @@ def _moments(pooled, centre, second, grid):
     return T
 
 
-def _positional_products(T, p_y, p_x):
+def _positional_products(T, p_y, p_x, variance=True):
     """Eq. 5: P^h = P_y^h (kron) P_x^h applied to both moments T (nh, Wp, 2, B, Hp, d).
 
     Returns:
         tuple: u (nh, 2, B, Hp, Wp, d), T multiplied by P_x^h along W, head-major, and m of the
-        same layout, whose first moment is P^h T_0 and whose second slot holds the inter-token
-        variance P^h T_1 - (P^h T_0)^2, clamped at 0 (about the centre).
+        same layout: P^h T_0 and P^h T_1. With ``variance`` the second slot is turned into the
+        inter-token variance P^h T_1 - (P^h T_0)^2, clamped at 0 (about the centre).
     """
     u = _row_products(T, p_x)
     nh, k, B, Hp, Wp, d = u.shape
     factors = p_y[:, None].expand(nh, k * B, Hp, Hp).reshape(-1, Hp, Hp)
     m = _bmm(factors, u.view(-1, Hp, Wp * d)).view(u.shape)  # sum over source rows
-    m[:, 1].addcmul_(m[:, 0], m[:, 0], value=-1).clamp_min_(0)
+    if variance:
+        m[:, 1].addcmul_(m[:, 0], m[:, 0], value=-1).clamp_min_(0)
     return u, m
 
 
@@ -482,18 +493,52 @@ def _bmm(a, b, out=None):
     return torch.bmm(a, b, out=out)
 
 
-def _cell_terms(m, centre, kap_m, kap_v, eps, grid, out=None):
+def _cell_terms(m, centre, kap_m, kap_v, eps, grid):
     """Cell parts of Eq. 5 in token layout (B, Hp, Wp, C): A = (1 - lam_m) mu_it and
-    V = (1 - lam_v) var_it + eps, written into ``out`` (2 * B * Hp * Wp * C elements) if given."""
-    shape = (grid.B, grid.Hp, grid.Wp, grid.C)
-    n = math.prod(shape)
-    if out is None:
-        out = m.new_empty(2 * n)
-    A, V = out.view(-1)[:n].view(shape), out.view(-1)[n:2 * n].view(shape)
+    V = (1 - lam_v) var_it + eps."""
+    A, V = m.new_empty(2, grid.B, grid.Hp, grid.Wp, grid.C).unbind(0)
     torch.add(grid.from_hm(m[:, 0]), grid.split(centre), out=grid.split(A))
     A.mul_(kap_m)
     torch.mul(grid.from_hm(m[:, 1]), grid.split(kap_v), out=grid.split(V)).add_(eps)
     return A, V
+
+
+class _ChunkTerms:
+    """The cell statistics of Eq. 5 for chunks of token rows, broadcasting against the tokens:
+    mean_it, var_it, A = (1 - lam_m) mu_it and V = (1 - lam_v) var_it + eps.
+
+    With pooling, A and V are computed once on the cell grid (``m`` holds the variance already)
+    and chunks take views of them. Without pooling, cells are tokens and all four would be as
+    large as x: every chunk computes them from the head-major m (second moment not yet turned into
+    the variance) into scratch buffers instead, and never in full.
+    """
+
+    def __init__(self, m, centre, kap_m, kap_v, eps, grid, x):
+        self.per_chunk = grid.s == 1
+        if self.per_chunk:
+            self.first, self.second = grid.hm_rows(m[:, 0]), grid.hm_rows(m[:, 1])
+            self.centre = grid.split(grid.per_row(centre))
+            self.kap_m, self.kap_v, self.eps = grid.split(kap_m), grid.split(kap_v), eps
+            self.buffers = grid.scratch(x, 4)
+            self.C = grid.C
+        else:
+            A, V = _cell_terms(m, centre, kap_m, kap_v, eps, grid)
+            self.A, self.V = grid.cells(A), grid.cells(V)
+
+    def __call__(self, rows):
+        """(mean_it, var_it, A, V) of a chunk; mean_it and var_it (split into heads) only without
+        pooling, else None."""
+        if not self.per_chunk:
+            return None, None, self.A[rows], self.V[rows]
+        first = self.first[rows]
+        mean_it, var_it, A, V = (_like(b, first) for b in self.buffers)
+        torch.add(first, self.centre[rows], out=mean_it)
+        torch.mul(first, first, out=var_it)
+        torch.sub(self.second[rows], var_it, out=var_it).clamp_min_(0)
+        torch.mul(mean_it, self.kap_m, out=A)
+        torch.mul(var_it, self.kap_v, out=V).add_(self.eps)
+        tokens = (*first.shape[:4], self.C)
+        return mean_it, var_it, A.view(tokens), V.view(tokens)
 
 
 def _dtn_forward(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, keep):
@@ -504,17 +549,18 @@ def _dtn_forward(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, keep)
     lam_m, kap_m, lam_v, kap_v = ratios.unbind(0)
     mean_ln, var_ln, pooled, centre, second = _token_statistics(x, grid, convention)
     T = _moments(pooled, centre, second, grid)
-    u, m = _positional_products(T, p_y, p_x)
-    A, V = _cell_terms(m, centre, kap_m, kap_v, eps, grid, out=u if grid.s == 1 else None)
+    u, m = _positional_products(T, p_y, p_x, variance=grid.s > 1)
+    del u
+    terms = _ChunkTerms(m, centre, kap_m, kap_v, eps, grid, x)
     y = torch.empty_like(x)
-    A_tok, V_tok = grid.cells(A), grid.cells(V)
     buffer, = grid.scratch(x, 1)
     for rows in grid.chunks:
         xc, yc = grid.tok(x)[rows], grid.tok(y)[rows]
         mc, vc = grid.tok(mean_ln)[rows], grid.tok(var_ln)[rows]
+        _, _, A, V = terms(rows)
         # Eq. 4 with Eq. 5: y = (x - lam mu_ln - (1 - lam) mu_it) / sqrt(var + eps) * w + b
-        torch.addcmul(xc, mc, lam_m, value=-1, out=yc).sub_(A_tok[rows])
-        yc.mul_(torch.addcmul(V_tok[rows], vc, lam_v, out=_like(buffer, xc)).rsqrt_())
+        torch.addcmul(xc, mc, lam_m, value=-1, out=yc).sub_(A)
+        yc.mul_(torch.addcmul(V, vc, lam_v, out=_like(buffer, xc)).rsqrt_())
         torch.addcmul(bias, yc, weight, out=yc)
     if not keep:
         return y, None
@@ -528,31 +574,38 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
     nh, Hp, Wp = grid.nh, grid.Hp, grid.Wp
     lam_m, kap_m, lam_v, kap_v = ratios.unbind(0)
     mean_ln, var_ln, centre, with_second, T, m = saved
+    per_chunk = grid.s == 1  # cells are tokens: cell terms and dL/dm chunk by chunk
     if T is None:  # no pooling: T = (x - centre, its square), recomputed with m
         T = _moments(grid.pool(x), centre, None, grid)
-        u, m = _positional_products(T, p_y, p_x)
+        u, m = _positional_products(T, p_y, p_x, variance=False)
     else:
         u = _row_products(T, p_x)
-    work = torch.empty_like(m)  # A and V, later dL/dm, later dL/dT (m itself stays unchanged)
-    A, V = _cell_terms(m, centre, kap_m, kap_v, eps, grid, out=work)
-    A_tok, V_tok = grid.cells(A), grid.cells(V)
+    terms = _ChunkTerms(m, centre, kap_m, kap_v, eps, grid, x)
+    work = torch.empty_like(m)  # dL/dm, later dL/du (m itself stays unchanged)
+    if per_chunk:
+        dm_first, dm_second = grid.hm_rows(work[:, 0]), grid.hm_rows(work[:, 1])
+        first = grid.hm_rows(m[:, 0])
 
     # pass 1: D1 = g w rstd = -dL/dmu (into dx), D2 = D1 xhat rstd = -2 dL/dvar, and their sums
+    # Eq. 5 weights: mu = lam_m mu_ln + (1 - lam_m) mu_it, var likewise; dL/dmu = -D1,
+    # dL/dvar = -D2 / 2; without pooling also dL/dm: dL/dm_second = dL/dvar_it [var_it > 0],
+    # dL/dm_first = dL/dmu_it - 2 m_first dL/dm_second
     dx = torch.empty_like(x)
     flat = (-1, C)
     chunked_cells = grid.s > 1 and grid.divisible
-    d2_full = None if chunked_cells else torch.empty_like(x)
+    d2_full = torch.empty_like(x) if grid.s > 1 and not chunked_cells else None
     cell_d1 = x.new_empty(B, Hp, Wp, C) if chunked_cells else None
     cell_d2 = x.new_empty(B, Hp, Wp, C) if chunked_cells else None
     tok1, tok2 = x.new_empty(B, N, 1), x.new_empty(B, N, 1)
-    sums = []  # per chunk: grad_weight, grad_bias, sum mu_ln D1, sum var_ln D2
+    sums = []  # per chunk: grad_weight, grad_bias, sum mu_ln D1, sum var_ln D2[, mu_it D1, var_it D2]
     buffers = grid.scratch(x, 2)
     for rows in grid.chunks:
         xc, gc, dxc = grid.tok(x)[rows], grid.tok(g)[rows], grid.tok(dx)[rows]
         mc, vc = grid.tok(mean_ln)[rows], grid.tok(var_ln)[rows]
-        r = torch.addcmul(V_tok[rows], vc, lam_v, out=_like(buffers[0], xc)).rsqrt_()
+        mean_it, var_it, A, V = terms(rows)
+        r = torch.addcmul(V, vc, lam_v, out=_like(buffers[0], xc)).rsqrt_()
         xh = torch.addcmul(xc, mc, lam_m, value=-1, out=_like(buffers[1], xc))
-        xh.sub_(A_tok[rows]).mul_(r)
+        xh.sub_(A).mul_(r)
         d1 = torch.mul(gc, weight, out=dxc).mul_(r)
         d2 = r.mul_(xh).mul_(d1)
         if d2_full is not None:
@@ -560,36 +613,41 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
         xh.mul_(gc)
         torch.mv(d1.view(flat), lam_m, out=grid.tok(tok1)[rows].view(-1))
         torch.mv(d2.view(flat), lam_v, out=grid.tok(tok2)[rows].view(-1))
-        sums.append(torch.stack([
-            xh.view(flat).sum(0), gc.reshape(flat).sum(0),
-            mc.reshape(1, -1).mm(d1.view(flat))[0], vc.reshape(1, -1).mm(d2.view(flat))[0]]))
+        chunk_sums = [xh.view(flat).sum(0), gc.reshape(flat).sum(0),
+                      mc.reshape(1, -1).mm(d1.view(flat))[0], vc.reshape(1, -1).mm(d2.view(flat))[0]]
+        if per_chunk:
+            d1s, d2s = d1.view(mean_it.shape), d2.view(mean_it.shape)
+            dms = torch.mul(d2s, grid.split(-0.5 * kap_v), out=dm_second[rows])
+            dms.masked_fill_(var_it <= 0, 0)
+            torch.mul(first[rows], dms, out=dm_first[rows]).mul_(-2)
+            dm_first[rows].addcmul_(d1s, grid.split(-kap_m))
+            chunk_sums += [mean_it.mul_(d1s).view(flat).sum(0), var_it.mul_(d2s).view(flat).sum(0)]
+        sums.append(torch.stack(chunk_sums))
         if chunked_cells:
             grid.cell_rows(cell_d1)[rows] = grid.pool_chunk(d1)
             grid.cell_rows(cell_d2)[rows] = grid.pool_chunk(d2)
-    grad_weight, grad_bias, sum_mean_d1, sum_var_d2 = torch.stack(sums).sum(0)
-    if chunked_cells:  # cell means -> cell sums
-        cell_d1.mul_(grid.counts)
-        cell_d2.mul_(grid.counts)
-    elif grid.s > 1:
-        cell_d1 = grid.pool(dx) * grid.counts
-        cell_d2 = grid.pool(d2_full) * grid.counts
+    sums = torch.stack(sums).sum(0)
+    grad_weight, grad_bias, sum_mean_d1, sum_var_d2 = sums[:4]
+    if per_chunk:
+        mean_it_d1, var_it_d2 = sums[4:]
     else:
-        cell_d1, cell_d2 = dx.view(B, Hp, Wp, C), d2_full.view(B, Hp, Wp, C)
-
-    # Eq. 5 weights: mu = lam_m mu_ln + (1 - lam_m) mu_it, var likewise; dL/dmu = -D1,
-    # dL/dvar = -D2 / 2
-    m1, var_it = m[:, 0], m[:, 1]
-    cell_d1_hm, cell_d2_hm = grid.to_hm(cell_d1), grid.to_hm(cell_d2)
-    mean_it_d1 = ((m1 * cell_d1_hm).sum((1, 2, 3)).flatten()
-                  + (centre.view(B, C) * cell_d1.sum((1, 2))).sum(0))
-    var_it_d2 = (var_it * cell_d2_hm).sum((1, 2, 3)).flatten()
+        if chunked_cells:  # cell means -> cell sums
+            cell_d1.mul_(grid.counts)
+            cell_d2.mul_(grid.counts)
+        else:
+            cell_d1 = grid.pool(dx) * grid.counts
+            cell_d2 = grid.pool(d2_full) * grid.counts
+        m_first, var_it = m[:, 0], m[:, 1]
+        cell_d1_hm, cell_d2_hm = grid.to_hm(cell_d1), grid.to_hm(cell_d2)
+        mean_it_d1 = ((m_first * cell_d1_hm).sum((1, 2, 3)).flatten()
+                      + (centre.view(B, C) * cell_d1.sum((1, 2))).sum(0))
+        var_it_d2 = (var_it * cell_d2_hm).sum((1, 2, 3)).flatten()
+        dms = torch.mul(cell_d2_hm, grid.channels(-0.5 * kap_v), out=work[:, 1])
+        dms.masked_fill_(var_it <= 0, 0)
+        torch.mul(m_first, dms, out=work[:, 0]).mul_(-2).addcmul_(cell_d1_hm,
+                                                                 grid.channels(-kap_m))
     grad_ratios = torch.stack([-sum_mean_d1, -mean_it_d1, -0.5 * sum_var_d2, -0.5 * var_it_d2])
 
-    # cell grid, dL/dm into work: dL/dm2 = dL/dvar_it [var_it > 0],
-    # dL/dm1 = dL/dmu_it - 2 m1 dL/dm2
-    dm2 = torch.mul(cell_d2_hm, grid.channels(-0.5 * kap_v), out=work[:, 1])
-    dm2.masked_fill_(var_it <= 0, 0)
-    torch.mul(m1, dm2, out=work[:, 0]).mul_(-2).addcmul_(cell_d1_hm, grid.channels(-kap_m))
     d = grid.d
     dm, u_rows = work.view(-1, Hp, Wp * d), u.view(-1, Hp, Wp * d)
     grad_p_y = _bmm(dm, u_rows.transpose(1, 2)).view(nh, 2 * B, Hp, Hp).sum(1)
@@ -601,29 +659,39 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
     grad_p_x = _bmm(du_cm, T.view(nh, Wp, -1).transpose(1, 2))
     dT = _bmm(p_x.transpose(1, 2), du_cm, out=u.view(nh, Wp, -1)).view(T.shape)  # into u
     d_first, d_second = dT[:, :, 0], dT[:, :, 1]
-    counts = grid.counts[..., None]  # (Hp, Wp, 1, 1)
-    E = (d2_full if grid.s == 1 else x.new_empty(B * Hp * Wp * C)).view(B, Hp, Wp, C)
-    Fc = None
-    if with_second:  # second = cell mean of (x - centre)^2
-        Fc = x.new_empty(B, Hp, Wp, C)
-        torch.div(grid.from_cm(d_second), counts / 2, out=grid.split(Fc))
-        torch.div(grid.from_cm(d_first), counts, out=grid.split(E))
-        E.addcmul_(Fc, centre, value=-1)
-    else:  # second = first^2
-        d_first.addcmul_(T[:, :, 0], d_second, value=2)
-        torch.div(grid.from_cm(d_first), counts, out=grid.split(E))
+    E = Fc = None
+    if per_chunk:  # T = (x - centre, its square): dx gets dL/dT_0 + 2 (x - centre) dL/dT_1
+        d_first, d_second = grid.cm_rows(d_first), grid.cm_rows(d_second)
+        centre_rows = grid.split(grid.per_row(centre))
+    else:
+        counts = grid.counts[..., None]  # (Hp, Wp, 1, 1)
+        E = x.new_empty(B, Hp, Wp, C)
+        if with_second:  # second = cell mean of (x - centre)^2
+            Fc = x.new_empty(B, Hp, Wp, C)
+            torch.div(grid.from_cm(d_second), counts / 2, out=grid.split(Fc))
+            torch.div(grid.from_cm(d_first), counts, out=grid.split(E))
+            E.addcmul_(Fc, centre, value=-1)
+        else:  # second = first^2
+            d_first.addcmul_(T[:, :, 0], d_second, value=2)
+            torch.div(grid.from_cm(d_first), counts, out=grid.split(E))
+        E, Fc = grid.cells(E), grid.cells(Fc) if Fc is not None else None
 
     # pass 2: dx = D1 + x (beta + F) + alpha + E, with beta, alpha from Eq. 2
     n_var = C - 1 if convention.unbiased_ln_var else C
     beta = tok2.mul_(-1.0 / n_var)  # dL/dvar_ln * 2 / n_var with dL/dvar_ln = -tok2 / 2
     alpha = torch.addcmul(tok1.div_(-C), beta, mean_ln, value=-1)  # dL/dmu_ln / C - beta mu_ln
-    E_tok = grid.cells(E)
-    F_tok = grid.cells(Fc) if Fc is not None else None
     for rows in grid.chunks:
         xc, dxc = grid.tok(x)[rows], grid.tok(dx)[rows]
-        dxc.addcmul_(xc, grid.tok(beta)[rows]).add_(grid.tok(alpha)[rows]).add_(E_tok[rows])
-        if F_tok is not None:
-            dxc.addcmul_(xc, F_tok[rows])
+        dxc.addcmul_(xc, grid.tok(beta)[rows]).add_(grid.tok(alpha)[rows])
+        if per_chunk:
+            dxs = dxc.view(*xc.shape[:4], grid.nh, d)
+            dxs.add_(d_first[rows])
+            t0 = torch.sub(xc.view(dxs.shape), centre_rows[rows], out=_like(buffers[0], dxs))
+            dxs.addcmul_(t0, d_second[rows], value=2)
+        else:
+            dxc.add_(E[rows])
+            if Fc is not None:
+                dxc.addcmul_(xc, Fc[rows])
     return dx, grad_p_y, grad_p_x, grad_ratios, grad_weight, grad_bias
 
 
