@@ -493,10 +493,12 @@ def _bmm(a, b, out=None):
     return torch.bmm(a, b, out=out)
 
 
-def _cell_terms(m, centre, kap_m, kap_v, eps, grid):
+def _cell_terms(m, centre, kap_m, kap_v, eps, grid, out=None):
     """Cell parts of Eq. 5 in token layout (B, Hp, Wp, C): A = (1 - lam_m) mu_it and
-    V = (1 - lam_v) var_it + eps."""
-    A, V = m.new_empty(2, grid.B, grid.Hp, grid.Wp, grid.C).unbind(0)
+    V = (1 - lam_v) var_it + eps, written into ``out`` (2 * B * Hp * Wp * C elements) if given."""
+    shape = (2, grid.B, grid.Hp, grid.Wp, grid.C)
+    out = m.new_empty(shape) if out is None else out.view(-1)[:math.prod(shape)].view(shape)
+    A, V = out.unbind(0)
     torch.add(grid.from_hm(m[:, 0]), grid.split(centre), out=grid.split(A))
     A.mul_(kap_m)
     torch.mul(grid.from_hm(m[:, 1]), grid.split(kap_v), out=grid.split(V)).add_(eps)
@@ -505,40 +507,41 @@ def _cell_terms(m, centre, kap_m, kap_v, eps, grid):
 
 class _ChunkTerms:
     """The cell statistics of Eq. 5 for chunks of token rows, broadcasting against the tokens:
-    mean_it, var_it, A = (1 - lam_m) mu_it and V = (1 - lam_v) var_it + eps.
+    A = (1 - lam_m) mu_it, V = (1 - lam_v) var_it + eps and, if ``keep_variance``, var_it.
 
     With pooling, A and V are computed once on the cell grid (``m`` holds the variance already)
-    and chunks take views of them. Without pooling, cells are tokens and all four would be as
+    and chunks take views of them. Without pooling, cells are tokens and these terms would be as
     large as x: every chunk computes them from the head-major m (second moment not yet turned into
     the variance) into scratch buffers instead, and never in full.
     """
 
-    def __init__(self, m, centre, kap_m, kap_v, eps, grid, x):
+    def __init__(self, m, centre, kap_m, kap_v, eps, grid, x, keep_variance, out=None):
         self.per_chunk = grid.s == 1
         if self.per_chunk:
             self.first, self.second = grid.hm_rows(m[:, 0]), grid.hm_rows(m[:, 1])
             self.centre = grid.split(grid.per_row(centre))
             self.kap_m, self.kap_v, self.eps = grid.split(kap_m), grid.split(kap_v), eps
-            self.buffers = grid.scratch(x, 4)
+            self.buffers = grid.scratch(x, 3 if keep_variance else 2)
             self.C = grid.C
         else:
-            A, V = _cell_terms(m, centre, kap_m, kap_v, eps, grid)
+            A, V = _cell_terms(m, centre, kap_m, kap_v, eps, grid, out)
             self.A, self.V = grid.cells(A), grid.cells(V)
 
     def __call__(self, rows):
-        """(mean_it, var_it, A, V) of a chunk; mean_it and var_it (split into heads) only without
-        pooling, else None."""
+        """(var_it, A, V) of a chunk; var_it (split into heads) only without pooling and with
+        ``keep_variance``, else None. Without pooling A and V are scratch that the caller may
+        overwrite."""
         if not self.per_chunk:
-            return None, None, self.A[rows], self.V[rows]
+            return None, self.A[rows], self.V[rows]
         first = self.first[rows]
-        mean_it, var_it, A, V = (_like(b, first) for b in self.buffers)
-        torch.add(first, self.centre[rows], out=mean_it)
+        A, V, *var_it = (_like(b, first) for b in self.buffers)
+        var_it = var_it[0] if var_it else V
+        torch.add(first, self.centre[rows], out=A).mul_(self.kap_m)
         torch.mul(first, first, out=var_it)
         torch.sub(self.second[rows], var_it, out=var_it).clamp_min_(0)
-        torch.mul(mean_it, self.kap_m, out=A)
         torch.mul(var_it, self.kap_v, out=V).add_(self.eps)
         tokens = (*first.shape[:4], self.C)
-        return mean_it, var_it, A.view(tokens), V.view(tokens)
+        return (var_it if var_it is not V else None), A.view(tokens), V.view(tokens)
 
 
 def _dtn_forward(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, keep):
@@ -551,16 +554,17 @@ def _dtn_forward(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, keep)
     T = _moments(pooled, centre, second, grid)
     u, m = _positional_products(T, p_y, p_x, variance=grid.s > 1)
     del u
-    terms = _ChunkTerms(m, centre, kap_m, kap_v, eps, grid, x)
+    terms = _ChunkTerms(m, centre, kap_m, kap_v, eps, grid, x, keep_variance=False)
     y = torch.empty_like(x)
-    buffer, = grid.scratch(x, 1)
+    buffer = None if terms.per_chunk else grid.scratch(x, 1)[0]
     for rows in grid.chunks:
         xc, yc = grid.tok(x)[rows], grid.tok(y)[rows]
         mc, vc = grid.tok(mean_ln)[rows], grid.tok(var_ln)[rows]
-        _, _, A, V = terms(rows)
+        _, A, V = terms(rows)
         # Eq. 4 with Eq. 5: y = (x - lam mu_ln - (1 - lam) mu_it) / sqrt(var + eps) * w + b
         torch.addcmul(xc, mc, lam_m, value=-1, out=yc).sub_(A)
-        yc.mul_(torch.addcmul(V, vc, lam_v, out=_like(buffer, xc)).rsqrt_())
+        r = V if buffer is None else _like(buffer, xc)
+        yc.mul_(torch.addcmul(V, vc, lam_v, out=r).rsqrt_())
         torch.addcmul(bias, yc, weight, out=yc)
     if not keep:
         return y, None
@@ -580,11 +584,12 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
         u, m = _positional_products(T, p_y, p_x, variance=False)
     else:
         u = _row_products(T, p_x)
-    terms = _ChunkTerms(m, centre, kap_m, kap_v, eps, grid, x)
-    work = torch.empty_like(m)  # dL/dm, later dL/du (m itself stays unchanged)
+    work = torch.empty_like(m)  # (with pooling A and V,) dL/dm, later dL/du; m stays unchanged
+    terms = _ChunkTerms(m, centre, kap_m, kap_v, eps, grid, x, keep_variance=True, out=work)
     if per_chunk:
         dm_first, dm_second = grid.hm_rows(work[:, 0]), grid.hm_rows(work[:, 1])
         first = grid.hm_rows(m[:, 0])
+        centre_rows = grid.split(grid.per_row(centre))
 
     # pass 1: D1 = g w rstd = -dL/dmu (into dx), D2 = D1 xhat rstd = -2 dL/dvar, and their sums
     # Eq. 5 weights: mu = lam_m mu_ln + (1 - lam_m) mu_it, var likewise; dL/dmu = -D1,
@@ -598,14 +603,18 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
     cell_d2 = x.new_empty(B, Hp, Wp, C) if chunked_cells else None
     tok1, tok2 = x.new_empty(B, N, 1), x.new_empty(B, N, 1)
     sums = []  # per chunk: grad_weight, grad_bias, sum mu_ln D1, sum var_ln D2[, mu_it D1, var_it D2]
-    buffers = grid.scratch(x, 2)
+    buffers = grid.scratch(x, 1 if per_chunk else 2)
     for rows in grid.chunks:
         xc, gc, dxc = grid.tok(x)[rows], grid.tok(g)[rows], grid.tok(dx)[rows]
         mc, vc = grid.tok(mean_ln)[rows], grid.tok(var_ln)[rows]
-        mean_it, var_it, A, V = terms(rows)
-        r = torch.addcmul(V, vc, lam_v, out=_like(buffers[0], xc)).rsqrt_()
-        xh = torch.addcmul(xc, mc, lam_m, value=-1, out=_like(buffers[1], xc))
-        xh.sub_(A).mul_(r)
+        var_it, A, V = terms(rows)
+        if per_chunk:  # A and V are this chunk's scratch: rstd into V, xhat into A
+            r = torch.addcmul(V, vc, lam_v, out=V).rsqrt_()
+            xh = torch.sub(xc, A, out=A).addcmul_(mc, lam_m, value=-1)
+        else:
+            r = torch.addcmul(V, vc, lam_v, out=_like(buffers[0], xc)).rsqrt_()
+            xh = torch.addcmul(xc, mc, lam_m, value=-1, out=_like(buffers[1], xc)).sub_(A)
+        xh.mul_(r)
         d1 = torch.mul(gc, weight, out=dxc).mul_(r)
         d2 = r.mul_(xh).mul_(d1)
         if d2_full is not None:
@@ -616,12 +625,14 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
         chunk_sums = [xh.view(flat).sum(0), gc.reshape(flat).sum(0),
                       mc.reshape(1, -1).mm(d1.view(flat))[0], vc.reshape(1, -1).mm(d2.view(flat))[0]]
         if per_chunk:
-            d1s, d2s = d1.view(mean_it.shape), d2.view(mean_it.shape)
+            d1s, d2s = d1.view(var_it.shape), d2.view(var_it.shape)
+            mean_it = torch.add(first[rows], centre_rows[rows], out=xh.view(d1s.shape))
+            chunk_sums.append(mean_it.mul_(d1s).view(flat).sum(0))
             dms = torch.mul(d2s, grid.split(-0.5 * kap_v), out=dm_second[rows])
             dms.masked_fill_(var_it <= 0, 0)
             torch.mul(first[rows], dms, out=dm_first[rows]).mul_(-2)
             dm_first[rows].addcmul_(d1s, grid.split(-kap_m))
-            chunk_sums += [mean_it.mul_(d1s).view(flat).sum(0), var_it.mul_(d2s).view(flat).sum(0)]
+            chunk_sums.append(var_it.mul_(d2s).view(flat).sum(0))
         sums.append(torch.stack(chunk_sums))
         if chunked_cells:
             grid.cell_rows(cell_d1)[rows] = grid.pool_chunk(d1)
@@ -662,7 +673,6 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
     E = Fc = None
     if per_chunk:  # T = (x - centre, its square): dx gets dL/dT_0 + 2 (x - centre) dL/dT_1
         d_first, d_second = grid.cm_rows(d_first), grid.cm_rows(d_second)
-        centre_rows = grid.split(grid.per_row(centre))
     else:
         counts = grid.counts[..., None]  # (Hp, Wp, 1, 1)
         E = x.new_empty(B, Hp, Wp, C)
