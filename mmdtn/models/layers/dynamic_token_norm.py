@@ -602,7 +602,8 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
     cell_d1 = x.new_empty(B, Hp, Wp, C) if chunked_cells else None
     cell_d2 = x.new_empty(B, Hp, Wp, C) if chunked_cells else None
     tok1, tok2 = x.new_empty(B, N, 1), x.new_empty(B, N, 1)
-    sums = []  # per chunk: grad_weight, grad_bias, sum mu_ln D1, sum var_ln D2[, mu_it D1, var_it D2]
+    # per chunk: grad_weight, grad_bias, sum mu_ln D1, sum var_ln D2 (and mu_it D1, var_it D2)
+    sums = []
     buffers = grid.scratch(x, 1 if per_chunk else 2)
     for rows in grid.chunks:
         xc, gc, dxc = grid.tok(x)[rows], grid.tok(g)[rows], grid.tok(dx)[rows]
@@ -623,7 +624,8 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
         torch.mv(d1.view(flat), lam_m, out=grid.tok(tok1)[rows].view(-1))
         torch.mv(d2.view(flat), lam_v, out=grid.tok(tok2)[rows].view(-1))
         chunk_sums = [xh.view(flat).sum(0), gc.reshape(flat).sum(0),
-                      mc.reshape(1, -1).mm(d1.view(flat))[0], vc.reshape(1, -1).mm(d2.view(flat))[0]]
+                      mc.reshape(1, -1).mm(d1.view(flat))[0],
+                      vc.reshape(1, -1).mm(d2.view(flat))[0]]
         if per_chunk:
             d1s, d2s = d1.view(var_it.shape), d2.view(var_it.shape)
             mean_it = torch.add(first[rows], centre_rows[rows], out=xh.view(d1s.shape))
@@ -729,7 +731,7 @@ class _DynamicTokenNormFunction(torch.autograd.Function):
 
 
 def _softmax(logits):
-    """Row softmax in which weights below exp(_LOGIT_CUTOFF) = 2e-22 of the row maximum are exactly 0.
+    """Row softmax whose weights below exp(_LOGIT_CUTOFF) = 2e-22 of the row maximum are exact 0.
 
     Dropping them changes a row by less than 2e-22 times its length, below float64's resolution.
     Kept, such weights times small features give subnormal floats, which slow matrix products on
