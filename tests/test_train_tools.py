@@ -2,7 +2,8 @@
 
 Each run is a subprocess of this interpreter on a tiny dataset made here: a few iterations of
 Mask R-CNN with PVT-Tiny-DTN followed by COCO bbox and segm evaluation, Semantic FPN with mIoU, a
-2-process gloo run through dist_train.sh (with distributed COCO validation), and RetinaNet
+2-process gloo run through dist_train.sh (with distributed COCO validation), the slurm scripts
+through a stand-in srun, and RetinaNet
 PVT-Tiny-DTN killed mid-epoch, resumed, then evaluated with tools/test.py.
 """
 import json
@@ -162,6 +163,62 @@ def test_dist_train_two_cpu_processes_gloo(tmp_path, coco_root):
     assert COCO_AP_LINE in out
     assert (work / 'epoch_1.pth').is_file()
     assert last_scalars(work)['iter'] == 2
+
+
+FAKE_SRUN = """#!{python}
+# Stand-in for slurm's srun: records its options, then starts --ntasks copies of the command with
+# the variables slurm sets for every task, and exits with the worst return code.
+import json, os, subprocess, sys
+argv, options, partition = sys.argv[1:], [], None
+while argv[0].startswith('-'):  # srun's options end at the command
+    if argv[0] == '-p':
+        partition, argv = argv[1], argv[2:]
+    else:
+        options, argv = options + [argv[0]], argv[1:]
+ntasks = int(next(o for o in options if o.startswith('--ntasks=')).split('=')[1])
+with open(os.environ['FAKE_SRUN_LOG'], 'w') as f:
+    json.dump(dict(partition=partition, ntasks=ntasks, options=options, command=argv), f)
+procs = [subprocess.Popen(argv, env=dict(os.environ, SLURM_PROCID=str(i), SLURM_LOCALID=str(i),
+                                         SLURM_NTASKS=str(ntasks), SLURM_NODELIST='node1'))
+         for i in range(ntasks)]
+sys.exit(max(p.wait() for p in procs))
+"""
+
+
+def test_slurm_scripts_train_then_test_on_cpu_tasks(tmp_path, coco_root):
+    """tools/slurm_train.sh and tools/slurm_test.sh through a stand-in srun (and scontrol) that
+    starts the tasks as slurm would: 2 CPU tasks train with gloo, then evaluate the checkpoint."""
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    (bin_dir / 'srun').write_text(FAKE_SRUN.format(python=sys.executable))
+    (bin_dir / 'scontrol').write_text('#!/bin/sh\necho 127.0.0.1\n')
+    for name in ('srun', 'scontrol'):
+        os.chmod(bin_dir / name, 0o755)
+    env = dict(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", GPUS='2', GPUS_PER_NODE='0',
+               CPUS_PER_TASK='1', PYTHON=sys.executable, FAKE_SRUN_LOG=str(tmp_path / 'srun.json'))
+    cfg = write_config(tmp_path / 'retinanet.py', 'retinanet_pvt_tiny_dtn_1x.py',
+                       det_overrides(coco_root, batch_size=1), RETINANET)
+    work = tmp_path / 'work'
+    rc, out = run(['bash', osp.join(REPO, 'tools', 'slurm_train.sh'), 'debug', 'dtn', cfg, work,
+                   '--cfg-options', 'train_cfg.val_interval=1'], tmp_path, timeout=300,
+                  MASTER_PORT=str(_free_port()), **env)
+    assert_ok(rc, out)
+    with open(tmp_path / 'srun.json') as f:
+        call = json.load(f)
+    assert call['partition'] == 'debug' and call['ntasks'] == 2
+    assert '--job-name=dtn' in call['options'] and '--cpus-per-task=1' in call['options']
+    assert not any(o.startswith('--gres') for o in call['options'])  # GPUS_PER_NODE=0: no GPU
+    assert '--launcher=slurm' in call['command']
+    assert 'Distributed training: True' in out
+    # 4 annotated training images over 2 tasks, 1 image each per step: 2 iterations.
+    assert re.search(r'Epoch\(train\) \[1\]\[2/2\]', out), out[-3000:]
+    assert (work / 'epoch_1.pth').is_file()
+
+    rc, out = run(['bash', osp.join(REPO, 'tools', 'slurm_test.sh'), 'debug', 'dtn-test', cfg,
+                   work / 'epoch_1.pth', '--work-dir', tmp_path / 'test'], tmp_path, timeout=300,
+                  MASTER_PORT=str(_free_port()), **env)
+    assert rc == 0, out[-4000:]
+    assert COCO_AP_LINE in out
 
 
 def test_retinanet_killed_mid_epoch_resumes_then_coco_eval(tmp_path, coco_root):
