@@ -3,8 +3,8 @@
 Each run is a subprocess of this interpreter on a tiny dataset made here: a few iterations of
 Mask R-CNN with PVT-Tiny-DTN followed by COCO bbox and segm evaluation, Semantic FPN with mIoU, a
 2-process gloo run through dist_train.sh (with distributed COCO validation), the slurm scripts
-through a stand-in srun, and RetinaNet
-PVT-Tiny-DTN killed mid-epoch, resumed, then evaluated with tools/test.py.
+through a stand-in srun, and RetinaNet PVT-Tiny-DTN killed mid-epoch, resumed, then evaluated with
+tools/test.py.
 """
 import json
 import math
