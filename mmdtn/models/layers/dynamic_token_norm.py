@@ -398,7 +398,7 @@ class _Grid:
     def hm_rows(self, t):
         """Head-major (nh, B, H, W, d) -> (B * H, 1, W, 1, nh, d) view, indexed like the chunks of
         :meth:`tok` (no pooling)."""
-        return t.permute(1, 2, 3, 0, 4).reshape(self.B * self.H, 1, self.W, 1, self.nh, self.d)
+        return self.from_hm(t).reshape(self.B * self.H, 1, self.W, 1, self.nh, self.d)
 
     def cm_rows(self, t):
         """Column-major (nh, W, B, H, d) -> (B * H, 1, W, 1, nh, d) view (no pooling)."""
@@ -512,7 +512,8 @@ class _ChunkTerms:
     With pooling, A and V are computed once on the cell grid (``m`` holds the variance already)
     and chunks take views of them. Without pooling, cells are tokens and these terms would be as
     large as x: every chunk computes them from the head-major m (second moment not yet turned into
-    the variance) into scratch buffers instead, and never in full.
+    the variance) into scratch buffers instead, and never in full; ``first`` and ``centre`` are
+    then the row views (see :meth:`_Grid.hm_rows`) of P^h T_0 and of the centre.
     """
 
     def __init__(self, m, centre, kap_m, kap_v, eps, grid, x, keep_variance, out=None):
@@ -588,8 +589,7 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
     terms = _ChunkTerms(m, centre, kap_m, kap_v, eps, grid, x, keep_variance=True, out=work)
     if per_chunk:
         dm_first, dm_second = grid.hm_rows(work[:, 0]), grid.hm_rows(work[:, 1])
-        first = grid.hm_rows(m[:, 0])
-        centre_rows = grid.split(grid.per_row(centre))
+        first, centre_rows = terms.first, terms.centre
 
     # pass 1: D1 = g w rstd = -dL/dmu (into dx), D2 = D1 xhat rstd = -2 dL/dvar, and their sums
     # Eq. 5 weights: mu = lam_m mu_ln + (1 - lam_m) mu_it, var likewise; dL/dmu = -D1,
