@@ -1,6 +1,8 @@
 """mmdtn: Dynamic Token Normalization and Dual PatchNorm for OpenMMLab dense prediction."""
+import os
 import os.path as osp
 import re
+import sys
 
 from setuptools import find_packages, setup
 
@@ -24,6 +26,20 @@ def read_version():
         return re.search(r"__version__ = '([^']+)'", f.read()).group(1)
 
 
+def cpu_kernels():
+    """The fused CPU kernels of DynamicTokenNorm (torch C++ extension); MMDTN_WITH_OPS=0 skips
+    them, and DynamicTokenNorm then runs its PyTorch implementation everywhere."""
+    if os.environ.get('MMDTN_WITH_OPS', '1') == '0':
+        return {}
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+    flags = ['-O3', '-fno-math-errno'] + (['-fopenmp'] if sys.platform.startswith('linux') else [])
+    ext = CppExtension('mmdtn.models.layers._dynamic_token_norm_cpu',
+                       ['mmdtn/models/layers/dynamic_token_norm_cpu.cpp'],
+                       extra_compile_args=flags,
+                       extra_link_args=['-fopenmp'] if sys.platform.startswith('linux') else [])
+    return dict(ext_modules=[ext], cmdclass={'build_ext': BuildExtension})
+
+
 setup(
     name='mmdtn',
     version=read_version(),
@@ -36,4 +52,5 @@ setup(
     extras_require={'tests': read_requirements('tests')},
     license='Apache-2.0',
     zip_safe=False,
+    **cpu_kernels(),
 )

@@ -34,6 +34,7 @@ Implementation notes:
 """
 import functools
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,15 @@ from torch import nn
 from mmdtn.registry import register_norm_layer
 
 from .reference_compat import PAPER_CONVENTION, REFERENCE_CONVENTION, group_rms_normalize
+
+try:  # fused CPU kernels of the full-resolution passes, built by setup.py
+    from . import _dynamic_token_norm_cpu as _native_ops
+except ImportError:  # pragma: no cover - exercised only on installs without a compiler
+    _native_ops = None
+
+#: Use the fused CPU kernels for CPU tensors when they are built; ``False`` selects the PyTorch
+#: implementation of the same passes (which every other device uses).
+USE_CPU_KERNELS = True
 
 __all__ = ['DynamicTokenNorm', 'neighbourhood_offsets', 'LAYERNORM_GATE_LOGIT']
 
@@ -404,9 +414,29 @@ class _Grid:
         """Column-major (nh, W, B, H, d) -> (B * H, 1, W, 1, nh, d) view (no pooling)."""
         return self.from_cm(t).reshape(self.B * self.H, 1, self.W, 1, self.nh, self.d)
 
+    def cell_moments(self, m):
+        """Head-major (nh, 2, B, Hp, Wp, d) -> the two (B, Hp, Wp, nh, d) views of its slots."""
+        return self.from_hm(m[:, 0]), self.from_hm(m[:, 1])
+
     def channels(self, v):
         """Per-channel vector (C,) -> (nh, 1, 1, 1, d), broadcasting in the head-major layout."""
         return v.view(self.nh, 1, 1, 1, self.d)
+
+
+def _native(x):
+    """Whether the full-resolution passes over ``x`` run in the fused CPU kernels."""
+    if x.device.type != 'cpu' or not USE_CPU_KERNELS or torch.jit.is_tracing():
+        return False
+    if _native_ops is None:
+        _warn_no_kernels()
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_no_kernels():
+    warnings.warn('mmdtn was installed without its CPU kernels (`pip install -e .` builds them '
+                  'with a C++ compiler); DynamicTokenNorm uses its slower PyTorch path on CPUs')
 
 
 def _like(buffer, t):
@@ -550,11 +580,25 @@ def _dtn_forward(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, keep)
     DynamicTokenNorm._channel_ratios. Returns y and, with ``keep``, what the backward pass needs:
     the per-token statistics and, with pooling, the cell moments and statistics (without pooling
     they are as large as x, and recomputing them costs less than the memory of keeping them)."""
-    lam_m, kap_m, lam_v, kap_v = ratios.unbind(0)
     mean_ln, var_ln, pooled, centre, second = _token_statistics(x, grid, convention)
     T = _moments(pooled, centre, second, grid)
     u, m = _positional_products(T, p_y, p_x, variance=grid.s > 1)
     del u
+    if _native(x):
+        y = _native_ops.forward(x, mean_ln, var_ln, *grid.cell_moments(m), grid.s == 1, centre,
+                                ratios.contiguous(), weight.contiguous(), bias.contiguous(), eps,
+                                grid.H, grid.W, grid.s, grid.nh)
+    else:
+        y = _eager_output(x, mean_ln, var_ln, m, centre, ratios, weight, bias, grid, eps)
+    if not keep:
+        return y, None
+    cell = (T, m) if grid.s > 1 else (None, None)
+    return y, (mean_ln, var_ln, centre, second is not None, *cell)
+
+
+def _eager_output(x, mean_ln, var_ln, m, centre, ratios, weight, bias, grid, eps):
+    """The output pass of :func:`_dtn_forward` in PyTorch operations, chunk by chunk."""
+    lam_m, kap_m, lam_v, kap_v = ratios.unbind(0)
     terms = _ChunkTerms(m, centre, kap_m, kap_v, eps, grid, x, keep_variance=False)
     y = torch.empty_like(x)
     buffer = None if terms.per_chunk else grid.scratch(x, 1)[0]
@@ -567,34 +611,82 @@ def _dtn_forward(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, keep)
         r = V if buffer is None else _like(buffer, xc)
         yc.mul_(torch.addcmul(V, vc, lam_v, out=r).rsqrt_())
         torch.addcmul(bias, yc, weight, out=yc)
-    if not keep:
-        return y, None
-    cell = (T, m) if grid.s > 1 else (None, None)
-    return y, (mean_ln, var_ln, centre, second is not None, *cell)
+    return y
 
 
 def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
     """Gradients of :func:`_dtn_forward` for x, p_y, p_x, ratios, weight and bias."""
     B, N, C = x.shape
     nh, Hp, Wp = grid.nh, grid.Hp, grid.Wp
-    lam_m, kap_m, lam_v, kap_v = ratios.unbind(0)
     mean_ln, var_ln, centre, with_second, T, m = saved
-    per_chunk = grid.s == 1  # cells are tokens: cell terms and dL/dm chunk by chunk
     if T is None:  # no pooling: T = (x - centre, its square), recomputed with m
         T = _moments(grid.pool(x), centre, None, grid)
         u, m = _positional_products(T, p_y, p_x, variance=False)
     else:
         u = _row_products(T, p_x)
-    work = torch.empty_like(m)  # (with pooling A and V,) dL/dm, later dL/du; m stays unchanged
+    work = torch.empty_like(m)  # dL/dm, later dL/du; m stays unchanged
+
+    # pass 1: D1 = g w rstd = -dL/dmu (into dx), D2 = D1 xhat rstd = -2 dL/dvar, their sums over
+    # channels (tok1, tok2) and over tokens, and dL/dm (into work). Eq. 5 weights:
+    # mu = lam_m mu_ln + (1 - lam_m) mu_it, var likewise; dL/dmu = -D1, dL/dvar = -D2 / 2;
+    # dL/dm_second = dL/dvar_it [var_it > 0], dL/dm_first = dL/dmu_it - 2 m_first dL/dm_second
+    if _native(x):
+        dx, tok1, tok2, sums = _native_ops.backward(
+            g, x, mean_ln, var_ln, *grid.cell_moments(m), grid.s == 1, centre,
+            ratios.contiguous(), weight.contiguous(), eps, grid.H, grid.W, grid.s, nh,
+            *grid.cell_moments(work))
+    else:
+        dx, tok1, tok2, sums = _eager_token_gradients(g, x, mean_ln, var_ln, m, centre, ratios,
+                                                      weight, grid, eps, work)
+    grad_weight, grad_bias, sum_mean_d1, sum_var_d2, mean_it_d1, var_it_d2 = sums
+    grad_ratios = torch.stack([-sum_mean_d1, -mean_it_d1, -0.5 * sum_var_d2, -0.5 * var_it_d2])
+
+    # the positional products backwards: dL/dm -> dL/dP_y, dL/du -> dL/dP_x, dL/dT
+    d = grid.d
+    dm, u_rows = work.view(-1, Hp, Wp * d), u.view(-1, Hp, Wp * d)
+    grad_p_y = _bmm(dm, u_rows.transpose(1, 2)).view(nh, 2 * B, Hp, Hp).sum(1)
+    factors = p_y.transpose(1, 2)[:, None].expand(nh, 2 * B, Hp, Hp).reshape(-1, Hp, Hp)
+    du = _bmm(factors, dm, out=u_rows)  # dL/du, head-major, into u
+    du_cm = work.view(nh, Wp, 2, B, Hp, d)  # dL/du, column-major, into work
+    du_cm.copy_(du.view(nh, 2, B, Hp, Wp, d).permute(0, 4, 1, 2, 3, 5))
+    du_cm = du_cm.view(nh, Wp, -1)
+    grad_p_x = _bmm(du_cm, T.view(nh, Wp, -1).transpose(1, 2))
+    dT = _bmm(p_x.transpose(1, 2), du_cm, out=u.view(nh, Wp, -1)).view(T.shape)  # into u
+    d_first, d_second = dT[:, :, 0], dT[:, :, 1]
+    if grid.s > 1 and not with_second:  # second moment = first^2 (reference convention)
+        d_first.addcmul_(T[:, :, 0], d_second, value=2)
+        d_second = None
+
+    # pass 2: dx = D1 + x beta + alpha + (dL/dT_0 + 2 (x - centre) dL/dT_1) / n with beta and
+    # alpha from Eq. 2 and n the tokens of the cell
+    n_var = C - 1 if convention.unbiased_ln_var else C
+    beta = tok2.mul_(-1.0 / n_var)  # dL/dvar_ln * 2 / n_var with dL/dvar_ln = -tok2 / 2
+    alpha = torch.addcmul(tok1.div_(-C), beta, mean_ln, value=-1)  # dL/dmu_ln / C - beta mu_ln
+    if _native(x):
+        _native_ops.input_grad(dx, x, beta, alpha, grid.from_cm(d_first),
+                               None if d_second is None else grid.from_cm(d_second), centre,
+                               grid.H, grid.W, grid.s, nh)
+    else:
+        _eager_input_gradient(dx, x, beta, alpha, d_first, d_second, centre, grid)
+    return dx, grad_p_y, grad_p_x, grad_ratios, grad_weight, grad_bias
+
+
+def _eager_token_gradients(g, x, mean_ln, var_ln, m, centre, ratios, weight, grid, eps, work):
+    """Pass 1 of :func:`_dtn_backward` in PyTorch operations, chunk by chunk.
+
+    Returns:
+        tuple: dx holding D1, tok1 = D1 . lam_m, tok2 = D2 . lam_v (B, N, 1), and the sums over
+        tokens (6, C) of xhat g, g, mu_ln D1, var_ln D2, mu_it D1 and var_it D2. dL/dm goes into
+        ``work`` (which with pooling first holds the cell terms A and V).
+    """
+    B, N, C = x.shape
+    Hp, Wp = grid.Hp, grid.Wp
+    lam_m, kap_m, lam_v, kap_v = ratios.unbind(0)
+    per_chunk = grid.s == 1  # cells are tokens: cell terms and dL/dm chunk by chunk
     terms = _ChunkTerms(m, centre, kap_m, kap_v, eps, grid, x, keep_variance=True, out=work)
     if per_chunk:
         dm_first, dm_second = grid.hm_rows(work[:, 0]), grid.hm_rows(work[:, 1])
         first, centre_rows = terms.first, terms.centre
-
-    # pass 1: D1 = g w rstd = -dL/dmu (into dx), D2 = D1 xhat rstd = -2 dL/dvar, and their sums
-    # Eq. 5 weights: mu = lam_m mu_ln + (1 - lam_m) mu_it, var likewise; dL/dmu = -D1,
-    # dL/dvar = -D2 / 2; without pooling also dL/dm: dL/dm_second = dL/dvar_it [var_it > 0],
-    # dL/dm_first = dL/dmu_it - 2 m_first dL/dm_second
     dx = torch.empty_like(x)
     flat = (-1, C)
     chunked_cells = grid.s > 1 and grid.divisible
@@ -640,10 +732,7 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
             grid.cell_rows(cell_d1)[rows] = grid.pool_chunk(d1)
             grid.cell_rows(cell_d2)[rows] = grid.pool_chunk(d2)
     sums = torch.stack(sums).sum(0)
-    grad_weight, grad_bias, sum_mean_d1, sum_var_d2 = sums[:4]
-    if per_chunk:
-        mean_it_d1, var_it_d2 = sums[4:]
-    else:
+    if not per_chunk:
         if chunked_cells:  # cell means -> cell sums
             cell_d1.mul_(grid.counts)
             cell_d2.mul_(grid.counts)
@@ -655,56 +744,44 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
         mean_it_d1 = ((m_first * cell_d1_hm).sum((1, 2, 3)).flatten()
                       + (centre.view(B, C) * cell_d1.sum((1, 2))).sum(0))
         var_it_d2 = (var_it * cell_d2_hm).sum((1, 2, 3)).flatten()
+        sums = torch.cat([sums, mean_it_d1[None], var_it_d2[None]])
         dms = torch.mul(cell_d2_hm, grid.channels(-0.5 * kap_v), out=work[:, 1])
         dms.masked_fill_(var_it <= 0, 0)
         torch.mul(m_first, dms, out=work[:, 0]).mul_(-2).addcmul_(cell_d1_hm,
                                                                  grid.channels(-kap_m))
-    grad_ratios = torch.stack([-sum_mean_d1, -mean_it_d1, -0.5 * sum_var_d2, -0.5 * var_it_d2])
+    return dx, tok1, tok2, sums
 
-    d = grid.d
-    dm, u_rows = work.view(-1, Hp, Wp * d), u.view(-1, Hp, Wp * d)
-    grad_p_y = _bmm(dm, u_rows.transpose(1, 2)).view(nh, 2 * B, Hp, Hp).sum(1)
-    factors = p_y.transpose(1, 2)[:, None].expand(nh, 2 * B, Hp, Hp).reshape(-1, Hp, Hp)
-    du = _bmm(factors, dm, out=u_rows)  # dL/du, head-major, into u
-    du_cm = work.view(nh, Wp, 2, B, Hp, d)  # dL/du, column-major, into work
-    du_cm.copy_(du.view(nh, 2, B, Hp, Wp, d).permute(0, 4, 1, 2, 3, 5))
-    du_cm = du_cm.view(nh, Wp, -1)
-    grad_p_x = _bmm(du_cm, T.view(nh, Wp, -1).transpose(1, 2))
-    dT = _bmm(p_x.transpose(1, 2), du_cm, out=u.view(nh, Wp, -1)).view(T.shape)  # into u
-    d_first, d_second = dT[:, :, 0], dT[:, :, 1]
+
+def _eager_input_gradient(dx, x, beta, alpha, d_first, d_second, centre, grid):
+    """Pass 2 of :func:`_dtn_backward` in PyTorch operations: dx += x beta + alpha +
+    (dL/dT_0 + 2 (x - centre) dL/dT_1) / n, with the column-major dL/dT (dL/dT_1 may be None)."""
+    B, C = grid.B, grid.C
     E = Fc = None
-    if per_chunk:  # T = (x - centre, its square): dx gets dL/dT_0 + 2 (x - centre) dL/dT_1
+    if grid.s == 1:
         d_first, d_second = grid.cm_rows(d_first), grid.cm_rows(d_second)
+        centre_rows = grid.split(grid.per_row(centre))
+        buffer, = grid.scratch(x, 1)
     else:
         counts = grid.counts[..., None]  # (Hp, Wp, 1, 1)
-        E = x.new_empty(B, Hp, Wp, C)
-        if with_second:  # second = cell mean of (x - centre)^2
-            Fc = x.new_empty(B, Hp, Wp, C)
+        E = x.new_empty(B, grid.Hp, grid.Wp, C)
+        torch.div(grid.from_cm(d_first), counts, out=grid.split(E))
+        if d_second is not None:  # F = 2 dL/dT_1 / n, E = dL/dT_0 / n - F centre
+            Fc = x.new_empty(B, grid.Hp, grid.Wp, C)
             torch.div(grid.from_cm(d_second), counts / 2, out=grid.split(Fc))
-            torch.div(grid.from_cm(d_first), counts, out=grid.split(E))
             E.addcmul_(Fc, centre, value=-1)
-        else:  # second = first^2
-            d_first.addcmul_(T[:, :, 0], d_second, value=2)
-            torch.div(grid.from_cm(d_first), counts, out=grid.split(E))
         E, Fc = grid.cells(E), grid.cells(Fc) if Fc is not None else None
-
-    # pass 2: dx = D1 + x (beta + F) + alpha + E, with beta, alpha from Eq. 2
-    n_var = C - 1 if convention.unbiased_ln_var else C
-    beta = tok2.mul_(-1.0 / n_var)  # dL/dvar_ln * 2 / n_var with dL/dvar_ln = -tok2 / 2
-    alpha = torch.addcmul(tok1.div_(-C), beta, mean_ln, value=-1)  # dL/dmu_ln / C - beta mu_ln
     for rows in grid.chunks:
         xc, dxc = grid.tok(x)[rows], grid.tok(dx)[rows]
         dxc.addcmul_(xc, grid.tok(beta)[rows]).add_(grid.tok(alpha)[rows])
-        if per_chunk:
-            dxs = dxc.view(*xc.shape[:4], grid.nh, d)
+        if grid.s == 1:
+            dxs = dxc.view(*xc.shape[:4], grid.nh, grid.d)
             dxs.add_(d_first[rows])
-            t0 = torch.sub(xc.view(dxs.shape), centre_rows[rows], out=_like(buffers[0], dxs))
+            t0 = torch.sub(xc.view(dxs.shape), centre_rows[rows], out=_like(buffer, dxs))
             dxs.addcmul_(t0, d_second[rows], value=2)
         else:
             dxc.add_(E[rows])
             if Fc is not None:
                 dxc.addcmul_(xc, Fc[rows])
-    return dx, grad_p_y, grad_p_x, grad_ratios, grad_weight, grad_bias
 
 
 class _DynamicTokenNormFunction(torch.autograd.Function):
