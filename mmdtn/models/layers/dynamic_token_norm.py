@@ -34,6 +34,7 @@ Implementation notes:
 """
 import functools
 import math
+import threading
 import warnings
 
 import torch
@@ -423,6 +424,30 @@ class _Grid:
         return v.view(self.nh, 1, 1, 1, self.d)
 
 
+class _Scratch:
+    """Temporaries of one call, carved in turn from a buffer kept per thread and dtype for the
+    next call (CPU only). Freshly allocated large CPU tensors cost a page fault per 4 KiB when first
+    written, several times the cost of the pass that writes them; the buffer grows to the largest
+    call's needs and is then reused. Nothing carved from it may outlive the call."""
+
+    _buffers = threading.local()
+
+    def __init__(self, like):
+        self.dtype, self.offset = like.dtype, 0
+
+    def empty(self, *shape):
+        numel = math.prod(shape)
+        buffers = self._buffers.__dict__.setdefault('by_dtype', {})
+        buffer = buffers.get(self.dtype)
+        if buffer is None or self.offset + numel > buffer.numel():
+            with torch.inference_mode(False):  # usable in and outside inference mode
+                buffer = torch.empty(self.offset + numel, dtype=self.dtype)
+            buffers[self.dtype] = buffer  # earlier temporaries keep the previous buffer alive
+        out = buffer[self.offset:self.offset + numel].view(shape)
+        self.offset += -(-numel // 16) * 16  # 64-byte aligned for float32
+        return out
+
+
 def _native(x):
     """Whether the full-resolution passes over ``x`` run in the fused CPU kernels."""
     if x.device.type != 'cpu' or not USE_CPU_KERNELS or torch.jit.is_tracing():
@@ -454,10 +479,19 @@ def _token_statistics(x, grid, convention):
     """
     B, N, C = x.shape
     n_var = C - 1 if convention.unbiased_ln_var else C
+    with_second = grid.s > 1 and not convention.square_of_pooled
+    if _native(x):
+        mean_ln, var_ln, cells = _native_ops.statistics(x, float(n_var), grid.H, grid.W, grid.s)
+        if grid.s > 1:  # cells: the cell means
+            pooled, centre = cells, cells.mean(dim=(1, 2), keepdim=True)
+        else:  # cells: sums over token rows
+            pooled, centre = grid.pool(x), (cells.sum(1) / N).view(B, 1, 1, C)
+        second = (_native_ops.second_moment(x, centre, grid.H, grid.W, grid.s)
+                  if with_second else None)
+        return mean_ln, var_ln, pooled, centre, second
     pooled = grid.pool(x)
     centre = pooled.mean(dim=(1, 2), keepdim=True)  # rows of P sum to 1: any constant is exact
     mean_ln, var_ln = x.new_empty(B, N, 1), x.new_empty(B, N, 1)
-    with_second = grid.s > 1 and not convention.square_of_pooled
     second = x.new_empty(B, grid.Hp, grid.Wp, C) if with_second else None
     chunked_second = with_second and grid.divisible
     ones = x.new_ones(C)
@@ -479,10 +513,12 @@ def _token_statistics(x, grid, convention):
     return mean_ln, var_ln, pooled, centre, second
 
 
-def _moments(pooled, centre, second, grid):
+def _moments(pooled, centre, second, grid, empty=None):
     """The two inputs of the positional products, column-major (nh, Wp, 2, B, Hp, d): pooled x -
-    centre and the second moment about centre (``second``, or the square of the first)."""
-    T = pooled.new_empty(grid.nh, grid.Wp, 2, grid.B, grid.Hp, grid.d)
+    centre and the second moment about centre (``second``, or the square of the first).
+    ``empty(*shape)`` allocates the result (default: a new tensor)."""
+    empty = empty or pooled.new_empty
+    T = empty(grid.nh, grid.Wp, 2, grid.B, grid.Hp, grid.d)
     torch.sub(grid.to_cm(pooled), grid.to_cm(centre), out=T[:, :, 0])
     if second is None:
         torch.square(T[:, :, 0], out=T[:, :, 1])
@@ -491,29 +527,34 @@ def _moments(pooled, centre, second, grid):
     return T
 
 
-def _positional_products(T, p_y, p_x, variance=True):
+def _positional_products(T, p_y, p_x, variance=True, empty=None):
     """Eq. 5: P^h = P_y^h (kron) P_x^h applied to both moments T (nh, Wp, 2, B, Hp, d).
 
     Returns:
         tuple: u (nh, 2, B, Hp, Wp, d), T multiplied by P_x^h along W, head-major, and m of the
         same layout: P^h T_0 and P^h T_1. With ``variance`` the second slot is turned into the
         inter-token variance P^h T_1 - (P^h T_0)^2, clamped at 0 (about the centre).
+        ``empty(*shape)`` allocates the results and temporaries (default: new tensors).
     """
-    u = _row_products(T, p_x)
+    u = _row_products(T, p_x, empty)
     nh, k, B, Hp, Wp, d = u.shape
     factors = p_y[:, None].expand(nh, k * B, Hp, Hp).reshape(-1, Hp, Hp)
-    m = _bmm(factors, u.view(-1, Hp, Wp * d)).view(u.shape)  # sum over source rows
+    out = None if empty is None else empty(*u.shape).view(-1, Hp, Wp * d)
+    m = _bmm(factors, u.view(-1, Hp, Wp * d), out=out).view(u.shape)  # sum over source rows
     if variance:
         m[:, 1].addcmul_(m[:, 0], m[:, 0], value=-1).clamp_min_(0)
     return u, m
 
 
-def _row_products(T, p_x):
+def _row_products(T, p_x, empty=None):
     """P_x^h times every row of cells (sum over source columns), one matrix product per head on
     the column-major T (nh, Wp, 2, B, Hp, d) -> head-major (nh, 2, B, Hp, Wp, d)."""
     nh, Wp, k, B, Hp, d = T.shape
-    t = _bmm(p_x, T.view(nh, Wp, -1)).view(T.shape)
-    return t.permute(0, 2, 3, 4, 1, 5).contiguous()
+    if empty is None:
+        t = _bmm(p_x, T.view(nh, Wp, -1)).view(T.shape)
+        return t.permute(0, 2, 3, 4, 1, 5).contiguous()
+    t = _bmm(p_x, T.view(nh, Wp, -1), out=empty(nh, Wp, T[0, 0].numel())).view(T.shape)
+    return empty(nh, k, B, Hp, Wp, d).copy_(t.permute(0, 2, 3, 4, 1, 5))
 
 
 def _bmm(a, b, out=None):
@@ -581,8 +622,10 @@ def _dtn_forward(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, keep)
     the per-token statistics and, with pooling, the cell moments and statistics (without pooling
     they are as large as x, and recomputing them costs less than the memory of keeping them)."""
     mean_ln, var_ln, pooled, centre, second = _token_statistics(x, grid, convention)
-    T = _moments(pooled, centre, second, grid)
-    u, m = _positional_products(T, p_y, p_x, variance=grid.s > 1)
+    # without pooling the products are as large as x: temporaries from reused CPU memory
+    empty = _Scratch(x).empty if _native(x) and grid.s == 1 else None
+    T = _moments(pooled, centre, second, grid, empty)
+    u, m = _positional_products(T, p_y, p_x, variance=grid.s > 1, empty=empty)
     del u
     if _native(x):
         y = _native_ops.forward(x, mean_ln, var_ln, *grid.cell_moments(m), grid.s == 1, centre,
@@ -619,12 +662,13 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
     B, N, C = x.shape
     nh, Hp, Wp = grid.nh, grid.Hp, grid.Wp
     mean_ln, var_ln, centre, with_second, T, m = saved
+    empty = _Scratch(x).empty if _native(x) and grid.s == 1 else None  # as in _dtn_forward
     if T is None:  # no pooling: T = (x - centre, its square), recomputed with m
-        T = _moments(grid.pool(x), centre, None, grid)
-        u, m = _positional_products(T, p_y, p_x, variance=False)
+        T = _moments(grid.pool(x), centre, None, grid, empty)
+        u, m = _positional_products(T, p_y, p_x, variance=False, empty=empty)
     else:
         u = _row_products(T, p_x)
-    work = torch.empty_like(m)  # dL/dm, later dL/du; m stays unchanged
+    work = torch.empty_like(m) if empty is None else empty(*m.shape)  # dL/dm, later dL/du
 
     # pass 1: D1 = g w rstd = -dL/dmu (into dx), D2 = D1 xhat rstd = -2 dL/dvar, their sums over
     # channels (tok1, tok2) and over tokens, and dL/dm (into work). Eq. 5 weights:

@@ -14,6 +14,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 namespace {
@@ -54,258 +56,75 @@ void check_inputs(const torch::Tensor& x, const Grid& g) {
   TORCH_CHECK(x.size(1) == g.H * g.W && g.C % g.nh == 0 && g.s >= 1, "inconsistent grid");
 }
 
-// The cell statistics of Eq. 5 for one channel: mu_it = first + centre, and var_it, which is
-// ``second`` itself or, when ``second`` is the raw second moment P^h T_1, second - first^2 >= 0.
-template <typename T, bool RAW>
-inline T inter_token_variance(T first, T second) {
-  return RAW ? std::max(second - first * first, T(0)) : second;
+}  // namespace
+
+// The kernels, compiled for the baseline instruction set and, on x86-64 with GCC or Clang, also
+// for AVX-512, chosen at run time (the backward pass keeps many values live, and AVX-512's 32
+// vector registers halve its time). ATEN_CPU_CAPABILITY=default or avx2, PyTorch's own switch,
+// also keeps these kernels off AVX-512.
+namespace baseline {
+#include "dynamic_token_norm_cpu_kernels.h"
+}  // namespace baseline
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define MMDTN_AVX512 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512cd,avx512bw,avx512dq,avx512vl,avx2,fma")
+namespace avx512 {
+#include "dynamic_token_norm_cpu_kernels.h"
+}  // namespace avx512
+#pragma GCC pop_options
+#endif
+
+namespace {
+
+bool use_avx512() {
+#ifdef MMDTN_AVX512
+  static const bool enabled = [] {
+    const char* capability = std::getenv("ATEN_CPU_CAPABILITY");
+    if (capability && (std::string(capability) == "default" || std::string(capability) == "avx2"))
+      return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512cd") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vl");
+  }();
+  return enabled;
+#else
+  return false;
+#endif
 }
 
-template <typename T, bool RAW>
-void forward_impl(const torch::Tensor& x, const torch::Tensor& mean_ln,
-                  const torch::Tensor& var_ln, const torch::Tensor& first,
-                  const torch::Tensor& second, const torch::Tensor& centre,
-                  const torch::Tensor& ratios, const torch::Tensor& weight,
-                  const torch::Tensor& bias, double eps, const Grid& g, torch::Tensor& y) {
-  const T* px = x.data_ptr<T>();
-  const T* pmu = mean_ln.data_ptr<T>();
-  const T* pvar = var_ln.data_ptr<T>();
-  const T* pcen = centre.data_ptr<T>();
-  const T* lam_m = ratios.data_ptr<T>();
-  const T* kap_m = lam_m + g.C;
-  const T* lam_v = kap_m + g.C;
-  const T* kap_v = lam_v + g.C;
-  const T* pw = weight.data_ptr<T>();
-  const T* pb = bias.data_ptr<T>();
-  T* py = y.data_ptr<T>();
-  const CellView<T> f(first), q(second);
-  const T e = static_cast<T>(eps);
-  at::parallel_for(0, g.units(), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t b = u / g.Hp, ci = u % g.Hp;
-      for (int64_t i = g.first_row(u); i < g.end_row(u); ++i) {
-        for (int64_t j = 0; j < g.W; ++j) {
-          const int64_t t = (b * g.H + i) * g.W + j;
-          const T mu = pmu[t], var = pvar[t];
-          const T* xt = px + t * g.C;
-          T* yt = py + t * g.C;
-          for (int64_t h = 0; h < g.nh; ++h) {
-            const T* fh = f.head(b, ci, j / g.s, h);
-            const T* qh = q.head(b, ci, j / g.s, h);
-            const int64_t c0 = h * g.d;
-#pragma omp simd
-            for (int64_t k = 0; k < g.d; ++k) {
-              const int64_t c = c0 + k;
-              const T mean_it = fh[k] + pcen[b * g.C + c];
-              const T var_it = inter_token_variance<T, RAW>(fh[k], qh[k]);
-              // Eq. 5 inside Eq. 4
-              const T rstd = T(1) / std::sqrt(kap_v[c] * var_it + e + lam_v[c] * var);
-              yt[c] = (xt[c] - lam_m[c] * mu - kap_m[c] * mean_it) * rstd * pw[c] + pb[c];
-            }
-          }
-        }
-      }
-    }
+// KERNEL(f<T>(args)) calls the AVX-512 or the baseline f
+#ifdef MMDTN_AVX512
+#define KERNEL(...) (use_avx512() ? avx512::__VA_ARGS__ : baseline::__VA_ARGS__)
+#else
+#define KERNEL(...) baseline::__VA_ARGS__
+#endif
+
+std::vector<torch::Tensor> statistics(const torch::Tensor& x, double n_var, int64_t H, int64_t W,
+                                      int64_t s) {
+  const Grid g(x, H, W, s, 1);
+  check_inputs(x, g);
+  auto mean_ln = x.new_empty({g.B, H * W, 1});
+  auto var_ln = x.new_empty({g.B, H * W, 1});
+  auto cells = s > 1 ? x.new_empty({g.B, g.Hp, g.Wp, g.C}) : x.new_empty({g.B, g.Hp, g.C});
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_statistics", [&] {
+    KERNEL(statistics_impl<scalar_t>(x, n_var, g, mean_ln, var_ln, cells));
   });
+  return {mean_ln, var_ln, cells};
 }
 
-// Gradient terms of one token and channel: D1 = g w rstd (= -dL/dmu), D2 = D1 xhat rstd
-// (= -2 dL/dvar) and xhat g (for the weight's gradient).
-template <typename T>
-struct TokenGrad {
-  T d1, d2, xg;
-};
-
-template <typename T>
-inline TokenGrad<T> token_grad(T x, T g, T w, T mu, T var, T lam_m, T lam_v, T cell_mean,
-                               T cell_var) {
-  const T rstd = T(1) / std::sqrt(cell_var + lam_v * var);
-  const T xhat = (x - lam_m * mu - cell_mean) * rstd;
-  const T d1 = g * w * rstd;
-  return {d1, d1 * xhat * rstd, xhat * g};
-}
-
-// Backward pass over the tokens: D1 (written into dx) and D2; their per-token channel sums with
-// the lambdas (tok1, tok2); per-unit channel sums for the gradients of weight, bias and the gates
-// (xhat g, g, mu_ln D1, var_ln D2, mu_it D1, var_it D2); and dL/dm of every cell of the unit:
-// dL/dm_second = -(1 - lam_v) / 2 sum D2 [var_it > 0], dL/dm_first = -(1 - lam_m) sum D1 - 2 m_first
-// dL/dm_second. Tokens of one cell are taken in pairs, which halves the updates of the sums.
-template <typename T, bool RAW>
-void backward_impl(const torch::Tensor& g_y, const torch::Tensor& x, const torch::Tensor& mean_ln,
-                   const torch::Tensor& var_ln, const torch::Tensor& first,
-                   const torch::Tensor& second, const torch::Tensor& centre,
-                   const torch::Tensor& ratios, const torch::Tensor& weight, double eps,
-                   const Grid& g, torch::Tensor& dx, torch::Tensor& tok1, torch::Tensor& tok2,
-                   torch::Tensor& sums, const torch::Tensor& dm_first,
-                   const torch::Tensor& dm_second) {
-  const T* pg = g_y.data_ptr<T>();
-  const T* px = x.data_ptr<T>();
-  const T* pmu = mean_ln.data_ptr<T>();
-  const T* pvar = var_ln.data_ptr<T>();
-  const T* pcen = centre.data_ptr<T>();
-  const T* lam_m = ratios.data_ptr<T>();
-  const T* kap_m = lam_m + g.C;
-  const T* lam_v = kap_m + g.C;
-  const T* kap_v = lam_v + g.C;
-  const T* pw = weight.data_ptr<T>();
-  T* pdx = dx.data_ptr<T>();
-  T* pt1 = tok1.data_ptr<T>();
-  T* pt2 = tok2.data_ptr<T>();
-  T* psum = sums.data_ptr<T>();
-  const CellView<T> f(first), q(second), dmf(dm_first), dmq(dm_second);
-  const T e = static_cast<T>(eps);
-  const int64_t C = g.C;
-  at::parallel_for(0, g.units(), 1, [&](int64_t begin, int64_t end) {
-    // per cell of the unit: (1 - lam_m) mu_it, (1 - lam_v) var_it + eps, sum D1, sum D2
-    std::vector<T> cell_mean(g.Wp * C), cell_var(g.Wp * C), cell_d1(g.Wp * C),
-        cell_d2(g.Wp * C);
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t b = u / g.Hp, ci = u % g.Hp;
-      T* s_xg = psum + u * 6 * C;
-      T* s_g = s_xg + C;
-      T* s_mu = s_g + C;
-      T* s_var = s_mu + C;
-      std::fill(s_xg, s_xg + 6 * C, T(0));
-      std::fill(cell_d1.begin(), cell_d1.end(), T(0));
-      std::fill(cell_d2.begin(), cell_d2.end(), T(0));
-      for (int64_t cj = 0; cj < g.Wp; ++cj) {
-        for (int64_t h = 0; h < g.nh; ++h) {
-          const T* fh = f.head(b, ci, cj, h);
-          const T* qh = q.head(b, ci, cj, h);
-#pragma omp simd
-          for (int64_t k = 0; k < g.d; ++k) {
-            const int64_t c = h * g.d + k;
-            cell_mean[cj * C + c] = kap_m[c] * (fh[k] + pcen[b * C + c]);
-            cell_var[cj * C + c] = kap_v[c] * inter_token_variance<T, RAW>(fh[k], qh[k]) + e;
-          }
-        }
-      }
-      for (int64_t i = g.first_row(u); i < g.end_row(u); ++i) {
-        for (int64_t j = 0; j < g.W;) {
-          const int64_t t = (b * g.H + i) * g.W + j, cj = j / g.s;
-          const T* cm = cell_mean.data() + cj * C;
-          const T* cv = cell_var.data() + cj * C;
-          T* c1 = cell_d1.data() + cj * C;
-          T* c2 = cell_d2.data() + cj * C;
-          const T* x0 = px + t * C;
-          const T* g0 = pg + t * C;
-          T* dx0 = pdx + t * C;
-          const T mu0 = pmu[t], var0 = pvar[t];
-          if (j + 1 < std::min(g.W, (cj + 1) * g.s)) {  // a pair of tokens of this cell
-            const T *x1 = x0 + C, *g1 = g0 + C;
-            T* dx1 = dx0 + C;
-            const T mu1 = pmu[t + 1], var1 = pvar[t + 1];
-            T a10 = 0, a11 = 0, a20 = 0, a21 = 0;
-#pragma omp simd reduction(+ : a10, a11, a20, a21)
-            for (int64_t c = 0; c < C; ++c) {
-              const auto r0 = token_grad(x0[c], g0[c], pw[c], mu0, var0, lam_m[c], lam_v[c],
-                                         cm[c], cv[c]);
-              const auto r1 = token_grad(x1[c], g1[c], pw[c], mu1, var1, lam_m[c], lam_v[c],
-                                         cm[c], cv[c]);
-              dx0[c] = r0.d1;
-              dx1[c] = r1.d1;
-              a10 += r0.d1 * lam_m[c];
-              a11 += r1.d1 * lam_m[c];
-              a20 += r0.d2 * lam_v[c];
-              a21 += r1.d2 * lam_v[c];
-              s_xg[c] += r0.xg + r1.xg;
-              s_g[c] += g0[c] + g1[c];
-              s_mu[c] += mu0 * r0.d1 + mu1 * r1.d1;
-              s_var[c] += var0 * r0.d2 + var1 * r1.d2;
-              c1[c] += r0.d1 + r1.d1;
-              c2[c] += r0.d2 + r1.d2;
-            }
-            pt1[t] = a10;
-            pt1[t + 1] = a11;
-            pt2[t] = a20;
-            pt2[t + 1] = a21;
-            j += 2;
-          } else {
-            T a1 = 0, a2 = 0;
-#pragma omp simd reduction(+ : a1, a2)
-            for (int64_t c = 0; c < C; ++c) {
-              const auto r = token_grad(x0[c], g0[c], pw[c], mu0, var0, lam_m[c], lam_v[c],
-                                        cm[c], cv[c]);
-              dx0[c] = r.d1;
-              a1 += r.d1 * lam_m[c];
-              a2 += r.d2 * lam_v[c];
-              s_xg[c] += r.xg;
-              s_g[c] += g0[c];
-              s_mu[c] += mu0 * r.d1;
-              s_var[c] += var0 * r.d2;
-              c1[c] += r.d1;
-              c2[c] += r.d2;
-            }
-            pt1[t] = a1;
-            pt2[t] = a2;
-            j += 1;
-          }
-        }
-      }
-      T* s_mit = s_var + C;
-      T* s_vit = s_mit + C;
-      for (int64_t cj = 0; cj < g.Wp; ++cj) {
-        for (int64_t h = 0; h < g.nh; ++h) {
-          const T* fh = f.head(b, ci, cj, h);
-          const T* qh = q.head(b, ci, cj, h);
-          T* of = dmf.head(b, ci, cj, h);
-          T* oq = dmq.head(b, ci, cj, h);
-#pragma omp simd
-          for (int64_t k = 0; k < g.d; ++k) {
-            const int64_t c = h * g.d + k;
-            const T var_it = inter_token_variance<T, RAW>(fh[k], qh[k]);
-            const T sum_d1 = cell_d1[cj * C + c], sum_d2 = cell_d2[cj * C + c];
-            s_mit[c] += (fh[k] + pcen[b * C + c]) * sum_d1;
-            s_vit[c] += var_it * sum_d2;
-            const T dq = T(var_it > T(0)) * T(-0.5) * kap_v[c] * sum_d2;  // branch-free
-            oq[k] = dq;
-            of[k] = -kap_m[c] * sum_d1 - T(2) * fh[k] * dq;
-          }
-        }
-      }
-    }
-  });
-}
-
-// dx += x beta + alpha + (dT_0 + 2 (x - centre) dT_1) / n, with n the number of tokens of the cell
-// and dT the gradients of the positional products' inputs (cell views; dT_1 may be absent).
-template <typename T, bool SECOND>
-void input_grad_impl(torch::Tensor& dx, const torch::Tensor& x, const torch::Tensor& beta,
-                     const torch::Tensor& alpha, const torch::Tensor& d_first,
-                     const torch::Tensor& d_second, const torch::Tensor& centre, const Grid& g) {
-  const T* px = x.data_ptr<T>();
-  const T* pbeta = beta.data_ptr<T>();
-  const T* palpha = alpha.data_ptr<T>();
-  const T* pcen = centre.data_ptr<T>();
-  T* pdx = dx.data_ptr<T>();
-  const CellView<T> d0(d_first), d1(SECOND ? d_second : d_first);
-  at::parallel_for(0, g.units(), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t b = u / g.Hp, ci = u % g.Hp;
-      const int64_t rows = g.end_row(u) - g.first_row(u);
-      for (int64_t i = g.first_row(u); i < g.end_row(u); ++i) {
-        for (int64_t j = 0; j < g.W; ++j) {
-          const int64_t t = (b * g.H + i) * g.W + j, cj = j / g.s;
-          const T inv_n = T(1) / T(rows * (std::min(g.W, (cj + 1) * g.s) - cj * g.s));
-          const T beta_t = pbeta[t], alpha_t = palpha[t];
-          const T* xt = px + t * g.C;
-          T* dxt = pdx + t * g.C;
-          for (int64_t h = 0; h < g.nh; ++h) {
-            const T* p0 = d0.head(b, ci, cj, h);
-            const T* p1 = d1.head(b, ci, cj, h);
-            const int64_t c0 = h * g.d;
-#pragma omp simd
-            for (int64_t k = 0; k < g.d; ++k) {
-              const int64_t c = c0 + k;
-              T cell = p0[k];
-              if (SECOND) cell += T(2) * (xt[c] - pcen[b * g.C + c]) * p1[k];
-              dxt[c] += xt[c] * beta_t + alpha_t + cell * inv_n;
-            }
-          }
-        }
-      }
-    }
-  });
+torch::Tensor second_moment(const torch::Tensor& x, const torch::Tensor& centre, int64_t H,
+                            int64_t W, int64_t s) {
+  const Grid g(x, H, W, s, 1);
+  check_inputs(x, g);
+  TORCH_CHECK(s > 1 && centre.is_contiguous() && centre.numel() == g.B * g.C,
+              "second_moment: expected pooling and a contiguous centre (B, 1, 1, C)");
+  auto second = x.new_empty({g.B, g.Hp, g.Wp, g.C});
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_second_moment",
+                             [&] { KERNEL(second_moment_impl<scalar_t>(x, centre, g, second)); });
+  return second;
 }
 
 torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& mean_ln,
@@ -321,11 +140,11 @@ torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& mean_ln,
   auto y = torch::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_forward", [&] {
     if (raw_second)
-      forward_impl<scalar_t, true>(x, mean_ln, var_ln, first, second, centre, ratios, weight,
-                                   bias, eps, g, y);
+      KERNEL(forward_impl<scalar_t, true>(x, mean_ln, var_ln, first, second, centre, ratios, weight,
+                                   bias, eps, g, y));
     else
-      forward_impl<scalar_t, false>(x, mean_ln, var_ln, first, second, centre, ratios, weight,
-                                    bias, eps, g, y);
+      KERNEL(forward_impl<scalar_t, false>(x, mean_ln, var_ln, first, second, centre, ratios, weight,
+                                    bias, eps, g, y));
   });
   return y;
 }
@@ -348,11 +167,11 @@ std::vector<torch::Tensor> backward(const torch::Tensor& g_y, const torch::Tenso
   auto sums = x.new_empty({g.units(), 6, g.C});
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_backward", [&] {
     if (raw_second)
-      backward_impl<scalar_t, true>(g_y, x, mean_ln, var_ln, first, second, centre, ratios,
-                                    weight, eps, g, dx, tok1, tok2, sums, dm_first, dm_second);
+      KERNEL(backward_impl<scalar_t, true>(g_y, x, mean_ln, var_ln, first, second, centre, ratios,
+                                    weight, eps, g, dx, tok1, tok2, sums, dm_first, dm_second));
     else
-      backward_impl<scalar_t, false>(g_y, x, mean_ln, var_ln, first, second, centre, ratios,
-                                     weight, eps, g, dx, tok1, tok2, sums, dm_first, dm_second);
+      KERNEL(backward_impl<scalar_t, false>(g_y, x, mean_ln, var_ln, first, second, centre, ratios,
+                                     weight, eps, g, dx, tok1, tok2, sums, dm_first, dm_second));
   });
   return {dx, tok1, tok2, sums.sum(0)};
 }
@@ -368,15 +187,17 @@ void input_grad(torch::Tensor& dx, const torch::Tensor& x, const torch::Tensor& 
   if (d_second) check_cell_view(*d_second, g, "d_second");
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_input_grad", [&] {
     if (d_second)
-      input_grad_impl<scalar_t, true>(dx, x, beta, alpha, d_first, *d_second, centre, g);
+      KERNEL(input_grad_impl<scalar_t, true>(dx, x, beta, alpha, d_first, *d_second, centre, g));
     else
-      input_grad_impl<scalar_t, false>(dx, x, beta, alpha, d_first, d_first, centre, g);
+      KERNEL(input_grad_impl<scalar_t, false>(dx, x, beta, alpha, d_first, d_first, centre, g));
   });
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("statistics", &statistics, "Eq. 2 per token and the cell means of x");
+  m.def("second_moment", &second_moment, "cell means of (x - centre)^2");
   m.def("forward", &forward, "DTN output pass (Eqs. 4, 5)");
   m.def("backward", &backward, "DTN backward pass over the tokens");
   m.def("input_grad", &input_grad, "DTN input gradient pass");
