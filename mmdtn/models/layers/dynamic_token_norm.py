@@ -527,16 +527,18 @@ def _moments(pooled, centre, second, grid, empty=None):
     return T
 
 
-def _positional_products(T, p_y, p_x, variance=True, empty=None):
+def _positional_products(T, p_y, p_x, variance=True, empty=None, u=None, u_out=None):
     """Eq. 5: P^h = P_y^h (kron) P_x^h applied to both moments T (nh, Wp, 2, B, Hp, d).
 
     Returns:
         tuple: u (nh, 2, B, Hp, Wp, d), T multiplied by P_x^h along W, head-major, and m of the
         same layout: P^h T_0 and P^h T_1. With ``variance`` the second slot is turned into the
         inter-token variance P^h T_1 - (P^h T_0)^2, clamped at 0 (about the centre).
-        ``empty(*shape)`` allocates the results and temporaries (default: new tensors).
+        ``empty(*shape)`` allocates the results and temporaries (default: new tensors); u is
+        taken as given, or written into ``u_out`` if given.
     """
-    u = _row_products(T, p_x, empty)
+    if u is None:
+        u = _row_products(T, p_x, empty, u_out)
     nh, k, B, Hp, Wp, d = u.shape
     factors = p_y[:, None].expand(nh, k * B, Hp, Hp).reshape(-1, Hp, Hp)
     out = None if empty is None else empty(*u.shape).view(-1, Hp, Wp * d)
@@ -546,15 +548,18 @@ def _positional_products(T, p_y, p_x, variance=True, empty=None):
     return u, m
 
 
-def _row_products(T, p_x, empty=None):
+def _row_products(T, p_x, empty=None, out=None):
     """P_x^h times every row of cells (sum over source columns), one matrix product per head on
-    the column-major T (nh, Wp, 2, B, Hp, d) -> head-major (nh, 2, B, Hp, Wp, d)."""
+    the column-major T (nh, Wp, 2, B, Hp, d) -> head-major (nh, 2, B, Hp, Wp, d), into ``out`` if
+    given; ``empty(*shape)`` allocates the temporary (default: a new tensor)."""
     nh, Wp, k, B, Hp, d = T.shape
-    if empty is None:
+    if empty is None and out is None:
         t = _bmm(p_x, T.view(nh, Wp, -1)).view(T.shape)
         return t.permute(0, 2, 3, 4, 1, 5).contiguous()
+    empty = empty or T.new_empty
     t = _bmm(p_x, T.view(nh, Wp, -1), out=empty(nh, Wp, T[0, 0].numel())).view(T.shape)
-    return empty(nh, k, B, Hp, Wp, d).copy_(t.permute(0, 2, 3, 4, 1, 5))
+    out = empty(nh, k, B, Hp, Wp, d) if out is None else out
+    return out.copy_(t.permute(0, 2, 3, 4, 1, 5))
 
 
 def _bmm(a, b, out=None):
@@ -619,14 +624,16 @@ class _ChunkTerms:
 def _dtn_forward(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, keep):
     """Eqs. 2, 4, 5 for contiguous tokens x (B, N, C); ``ratios`` (4, C) as
     DynamicTokenNorm._channel_ratios. Returns y and, with ``keep``, what the backward pass needs:
-    the per-token statistics and, with pooling, the cell moments and statistics (without pooling
-    they are as large as x, and recomputing them costs less than the memory of keeping them)."""
+    the per-token statistics and, with pooling, the cell moments and statistics. Without pooling
+    those are as large as x; of them only u = P_x T (twice x's size) is kept, the costliest to
+    recompute, and the rest is recomputed from x."""
     mean_ln, var_ln, pooled, centre, second = _token_statistics(x, grid, convention)
     # without pooling the products are as large as x: temporaries from reused CPU memory
     empty = _Scratch(x).empty if _native(x) and grid.s == 1 else None
     T = _moments(pooled, centre, second, grid, empty)
-    u, m = _positional_products(T, p_y, p_x, variance=grid.s > 1, empty=empty)
-    del u
+    keep_u = keep and grid.s == 1
+    u_out = T.new_empty(grid.nh, 2, grid.B, grid.Hp, grid.Wp, grid.d) if keep_u else None
+    u, m = _positional_products(T, p_y, p_x, variance=grid.s > 1, empty=empty, u_out=u_out)
     if _native(x):
         y = _native_ops.forward(x, mean_ln, var_ln, *grid.cell_moments(m), grid.s == 1, centre,
                                 ratios.contiguous(), weight.contiguous(), bias.contiguous(), eps,
@@ -635,7 +642,7 @@ def _dtn_forward(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, keep)
         y = _eager_output(x, mean_ln, var_ln, m, centre, ratios, weight, bias, grid, eps)
     if not keep:
         return y, None
-    cell = (T, m) if grid.s > 1 else (None, None)
+    cell = (T, m, None) if grid.s > 1 else (None, None, u)
     return y, (mean_ln, var_ln, centre, second is not None, *cell)
 
 
@@ -661,13 +668,14 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
     """Gradients of :func:`_dtn_forward` for x, p_y, p_x, ratios, weight and bias."""
     B, N, C = x.shape
     nh, Hp, Wp = grid.nh, grid.Hp, grid.Wp
-    mean_ln, var_ln, centre, with_second, T, m = saved
+    mean_ln, var_ln, centre, with_second, T, m, u = saved
     empty = _Scratch(x).empty if _native(x) and grid.s == 1 else None  # as in _dtn_forward
-    if T is None:  # no pooling: T = (x - centre, its square), recomputed with m
+    if T is None:  # no pooling: T = (x - centre, its square) and m recomputed, u kept
         T = _moments(grid.pool(x), centre, None, grid, empty)
-        u, m = _positional_products(T, p_y, p_x, variance=False, empty=empty)
+        _, m = _positional_products(T, p_y, p_x, variance=False, empty=empty, u=u)
+        spare = torch.empty_like(u) if empty is None else empty(*u.shape)  # for dL/du, dL/dT
     else:
-        u = _row_products(T, p_x)
+        u = spare = _row_products(T, p_x)
     work = torch.empty_like(m) if empty is None else empty(*m.shape)  # dL/dm, later dL/du
 
     # pass 1: D1 = g w rstd = -dL/dmu (into dx), D2 = D1 xhat rstd = -2 dL/dvar, their sums over
@@ -690,12 +698,12 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
     dm, u_rows = work.view(-1, Hp, Wp * d), u.view(-1, Hp, Wp * d)
     grad_p_y = _bmm(dm, u_rows.transpose(1, 2)).view(nh, 2 * B, Hp, Hp).sum(1)
     factors = p_y.transpose(1, 2)[:, None].expand(nh, 2 * B, Hp, Hp).reshape(-1, Hp, Hp)
-    du = _bmm(factors, dm, out=u_rows)  # dL/du, head-major, into u
+    du = _bmm(factors, dm, out=spare.view(u_rows.shape))  # dL/du, head-major
     du_cm = work.view(nh, Wp, 2, B, Hp, d)  # dL/du, column-major, into work
     du_cm.copy_(du.view(nh, 2, B, Hp, Wp, d).permute(0, 4, 1, 2, 3, 5))
     du_cm = du_cm.view(nh, Wp, -1)
     grad_p_x = _bmm(du_cm, T.view(nh, Wp, -1).transpose(1, 2))
-    dT = _bmm(p_x.transpose(1, 2), du_cm, out=u.view(nh, Wp, -1)).view(T.shape)  # into u
+    dT = _bmm(p_x.transpose(1, 2), du_cm, out=spare.view(nh, Wp, -1)).view(T.shape)
     d_first, d_second = dT[:, :, 0], dT[:, :, 1]
     if grid.s > 1 and not with_second:  # second moment = first^2 (reference convention)
         d_first.addcmul_(T[:, :, 0], d_second, value=2)
