@@ -1,5 +1,6 @@
 """DynamicTokenNorm (Shao et al., ICLR 2022, Eqs. 4-7) against dense formulas, limits, bad input."""
 import math
+import os
 
 import pytest
 import torch
@@ -7,6 +8,9 @@ import torch.nn.functional as F
 
 from mmdtn import DynamicTokenNorm
 from mmdtn.models.layers.dynamic_token_norm import neighbourhood_offsets
+
+# every test runs with the fused CPU kernels and with the PyTorch implementation
+pytestmark = pytest.mark.usefixtures('dtn_implementation')
 
 
 # ----------------------------------------------------------------------------- dense reference
@@ -384,3 +388,86 @@ def test_chunked_passes_equal_dense_reference(monkeypatch, pool, hw, chunk):
     ref_grads = torch.autograd.grad((ref * g).sum(), [x, *norm.parameters()])
     for a, b in zip(grads, ref_grads):
         assert torch.allclose(a, b, atol=1e-9)
+
+
+def _forward_backward(norms, x, hw, g):
+    """Output of the stacked ``norms`` and the gradients of (y * g).sum() for x and parameters."""
+    y = x
+    for norm in norms:
+        y = norm(y, hw)
+    params = [p for norm in norms for p in norm.parameters()]
+    return [y.detach(), *torch.autograd.grad((y * g).sum(), [x, *params])]
+
+
+@pytest.mark.parametrize('pool,hw,B', [(1, (9, 13), 2), (2, (10, 14), 1), (2, (9, 13), 2),
+                                       (4, (17, 22), 2), (3, (7, 8), 1)])
+def test_cpu_kernels_equal_pytorch_implementation(monkeypatch, dtn_implementation, pool, hw, B):
+    """Float32, two stacked layers (the second reuses the first's scratch memory while the first
+    keeps its saved tensors): both implementations agree to float32 rounding."""
+    import mmdtn.models.layers.dynamic_token_norm as dtn_module
+    torch.manual_seed(0)
+    norms = [randomize(DynamicTokenNorm(24, 4, pool_size=pool), seed=i) for i in range(2)]
+    x = (torch.randn(B, hw[0] * hw[1], 24) * 3 + 1).requires_grad_()
+    g = torch.randn(B, hw[0] * hw[1], 24)
+    results = {}
+    for use in (True, False):
+        monkeypatch.setattr(dtn_module, 'USE_CPU_KERNELS', use)
+        results[use] = _forward_backward(norms, x, hw, g)
+    for a, b in zip(results[True], results[False]):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (a - b).abs().max()
+
+
+def test_backward_twice_with_retained_graph_gives_same_gradients():
+    norm = randomize(DynamicTokenNorm(16, 4, pool_size=1))
+    x = torch.randn(2, 30, 16, requires_grad=True)
+    y = norm(x, (5, 6))
+    first = torch.autograd.grad(y.square().sum(), [x, *norm.parameters()], retain_graph=True)
+    norm(torch.randn(2, 30, 16), (5, 6)).sum().backward()  # another call in between
+    second = torch.autograd.grad(y.square().sum(), [x, *norm.parameters()])
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_cpu_kernels_baseline_and_avx512_builds_agree(tmp_path):
+    """ATEN_CPU_CAPABILITY=default selects the baseline build of the kernels (on CPUs with AVX-512
+    the other run uses the AVX-512 build); float64 results agree to rounding."""
+    import subprocess
+    import sys
+    script = (
+        'import torch, sys\n'
+        'from mmdtn import DynamicTokenNorm\n'
+        'out = {}\n'
+        'for pool, hw in [(1, (9, 13)), (4, (17, 22))]:\n'
+        '    torch.manual_seed(0)\n'
+        '    norm = DynamicTokenNorm(24, 4, pool_size=pool).double()\n'
+        '    with torch.no_grad():\n'
+        '        norm.mean_gate.uniform_(-2, 2); norm.var_gate.uniform_(-2, 2)\n'
+        '    x = torch.randn(2, hw[0] * hw[1], 24, dtype=torch.float64, requires_grad=True)\n'
+        '    y = norm(x, hw)\n'
+        '    out[pool] = [y.detach(), *torch.autograd.grad(y.square().sum(), [x, *norm.parameters()])]\n'
+        'torch.save(out, sys.argv[1])\n')
+    results = []
+    for capability in (None, 'default'):
+        env = dict(os.environ)
+        env.pop('ATEN_CPU_CAPABILITY', None)
+        if capability:
+            env['ATEN_CPU_CAPABILITY'] = capability
+        path = tmp_path / f'{capability}.pt'
+        subprocess.run([sys.executable, '-c', script, str(path)], env=env, check=True)
+        results.append(torch.load(path))
+    for pool in results[0]:
+        for a, b in zip(results[0][pool], results[1][pool]):
+            assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_missing_cpu_kernels_warn_once_and_fall_back(monkeypatch):
+    import mmdtn.models.layers.dynamic_token_norm as dtn_module
+    norm = randomize(DynamicTokenNorm(8, 2, pool_size=2)).double()
+    x = tokens(1, 6, 6, 8)
+    expected = norm(x, (6, 6))
+    monkeypatch.setattr(dtn_module, 'USE_CPU_KERNELS', True)
+    monkeypatch.setattr(dtn_module, '_native_ops', None)
+    dtn_module._warn_no_kernels.cache_clear()
+    with pytest.warns(UserWarning, match='without its CPU kernels'):
+        y = norm(x, (6, 6))
+    assert torch.allclose(y, expected, atol=1e-12)

@@ -6,6 +6,9 @@ from mmdtn import DynamicTokenNorm, convert_reference_state_dict
 from mmdtn.models.layers.dynamic_token_norm import neighbourhood_offsets
 from mmdtn.models.layers.reference_compat import REFERENCE_ONLY_VAR_MEAN_GATE
 
+# every test runs with the fused CPU kernels and with the PyTorch implementation
+pytestmark = pytest.mark.usefixtures('dtn_implementation')
+
 
 def reference_forward(x, sd, heads, side, pool, eps):
     """The reference code's forward as described: square side x side grid, pooling by ``pool``.

@@ -10,8 +10,9 @@ Prints three tables:
    patch statistics are added likewise;
 2. forward + backward time of one training iteration and its peak memory (CUDA: the allocator's
    peak; CPU: growth of the process's peak resident set size), each measured in a fresh process,
-   the stock and the DTN backbone alternating so that both see the same machine load; medians
-   over ``--repeats`` processes.
+   the stock and the DTN backbone alternating so that both see the same machine load. A process
+   times ``--iters`` iterations after the warm-up and reports the fastest (a shared machine only
+   ever adds time); the tables show medians over ``--repeats`` processes.
 
 Example::
 
@@ -144,8 +145,9 @@ def _rss_bytes():
         return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
 
 
-def measure_worker(name, variant, batch, size, device, warmup):
-    """Seconds and peak memory (bytes) of one fwd+bwd iteration, in this fresh process."""
+def measure_worker(name, variant, batch, size, device, warmup, iters=1):
+    """Seconds (the fastest of ``iters`` timed iterations) and peak memory (bytes) of fwd+bwd
+    iterations, in this fresh process."""
     model = build(name, variant).to(device)
     model.train()
     x = torch.randn(batch, 3, *size, device=device)
@@ -156,11 +158,14 @@ def measure_worker(name, variant, batch, size, device, warmup):
     if device.type == 'cuda':
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    sync(device)
-    t0 = time.perf_counter()
-    step(model, x)
-    sync(device)
-    seconds = time.perf_counter() - t0
+    seconds = math.inf
+    for _ in range(iters):
+        sync(device)
+        t0 = time.perf_counter()
+        step(model, x)
+        sync(device)
+        seconds = min(seconds, time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
     if device.type == 'cuda':
         peak = torch.cuda.max_memory_allocated(device) - base
     else:
@@ -168,10 +173,11 @@ def measure_worker(name, variant, batch, size, device, warmup):
     return {'seconds': seconds, 'peak': peak}
 
 
-def measure(name, variant, batch, size, device, warmup):
+def measure(name, variant, batch, size, device, warmup, iters):
     """Run :func:`measure_worker` in a fresh process (so that peak memory is this run's)."""
     cmd = [sys.executable, os.path.abspath(__file__), '--worker', name, variant, str(batch),
            f'{size[0]}x{size[1]}', '--device', str(device), '--warmup', str(warmup),
+           '--iters', str(iters),
            '--threads', str(torch.get_num_threads())]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
@@ -202,7 +208,10 @@ def main():
     parser.add_argument('--batches', nargs='+', type=int, default=[1, 2])
     parser.add_argument('--flops-sizes', nargs='+', default=['224x224', '800x1344'])
     parser.add_argument('--repeats', type=int, default=3,
-                        help='measured iterations per model, each in a fresh process')
+                        help='fresh processes per model and batch (the tables show medians)')
+    parser.add_argument('--iters', type=int, default=3,
+                        help='timed iterations per process after the warm-up; the fastest '
+                        'counts')
     parser.add_argument('--warmup', type=int, default=1,
                         help='untimed iterations before the measured one (first-touch memory '
                         'allocation and kernel set-up)')
@@ -223,12 +232,13 @@ def main():
     if args.worker:
         name, variant, batch, size = args.worker
         print(json.dumps(measure_worker(name, variant, int(batch), parse_size(size), device,
-                                        args.warmup)))
+                                        args.warmup, args.iters)))
         return
 
     size = parse_size(args.size)
     print(f'device={device}, torch threads={torch.get_num_threads()}, time/memory input '
-          f'{size[0]}x{size[1]}, batches {args.batches}, {args.repeats} timed iterations')
+          f'{size[0]}x{size[1]}, batches {args.batches}, {args.repeats} processes x '
+          f'{args.iters} timed iterations per model')
     if 'flops' not in args.skip:
         rows = []
         for name in tqdm(args.models, desc='FLOPs'):
@@ -255,7 +265,7 @@ def main():
         for name, batch, _ in tqdm(jobs, desc='fwd+bwd time and memory'):
             for variant in ('ln', 'dtn'):  # alternating: both see the same machine load
                 results.setdefault((name, batch, variant), []).append(
-                    measure(name, variant, batch, size, device, args.warmup))
+                    measure(name, variant, batch, size, device, args.warmup, args.iters))
         for name in args.models:
             for batch in args.batches:
                 t = {v: statistics.median(r['seconds'] for r in results[(name, batch, v)])
@@ -265,8 +275,9 @@ def main():
                 rows.append([name, batch, f'{t["ln"]:.2f}', f'{t["dtn"]:.2f}',
                              f'{t["dtn"] / t["ln"]:.3f}x', f'{m["ln"] / 2**20:.0f}',
                              f'{m["dtn"] / 2**20:.0f}', f'{m["dtn"] / m["ln"]:.3f}x'])
-        table(f'Forward+backward at {size[0]}x{size[1]}: time per iteration (s, median of '
-              f'{args.repeats}) and peak memory (MiB above the built model)',
+        table(f'Forward+backward at {size[0]}x{size[1]}: time per iteration (s, median over '
+              f'{args.repeats} processes of the fastest of {args.iters} iterations) and peak '
+              f'memory (MiB above the built model)',
               ['model', 'batch', 'time LN', 'time DTN', 'DTN/LN', 'mem LN', 'mem DTN',
                'DTN/LN'], rows)
 
