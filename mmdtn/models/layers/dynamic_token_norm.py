@@ -23,11 +23,15 @@ Implementation notes:
   average-pooled cells (border cells average only real tokens, distances in cells) and every token
   takes the statistics of its cell (the paper's "global average pooling", App. B.1).
 - Forward and backward are written by hand (an autograd Function; ``torch.autograd.gradcheck`` and
-  the dense formulation verify them in the tests). Full-resolution work runs over chunks of whole
-  cell rows with scratch buffers reused across chunks. Without pooling, the statistics of Eq. 5
-  are as large as x and are formed chunk by chunk from the positional products, never in full.
-  Backward keeps x and the per-token statistics; with pooling also the (small) cell moments and
-  statistics, without pooling those are recomputed from x.
+  the dense formulation verify them in the tests). Backward keeps x and the per-token statistics;
+  with pooling also the (small) cell moments and statistics; without pooling, where those are as
+  large as x, only u = P_x T, and the rest is recomputed.
+- The full-resolution passes (Eq. 2; Eqs. 4-5 with the cell statistics; the two backward passes)
+  run on CPUs in fused C++ kernels (``dynamic_token_norm_cpu.cpp``, built by ``pip install``, with
+  AVX-512 variants chosen at run time), one pass over memory each. Elsewhere, or with
+  :data:`USE_CPU_KERNELS` off, the same passes run as PyTorch operations over chunks of whole cell
+  rows with reused scratch buffers; without pooling the statistics of Eq. 5 are then formed chunk
+  by chunk from the positional products, never in full. The tests run both.
 - Statistics are computed in float32 (or float64) even under autocast; the output has x's dtype. The
   inter-token moments are taken about a per-channel constant (exact, since rows of P sum to 1),
   which avoids the cancellation of E[x^2] - E[x]^2 for features with large offsets.

@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <string>
@@ -122,8 +123,9 @@ torch::Tensor second_moment(const torch::Tensor& x, const torch::Tensor& centre,
   TORCH_CHECK(s > 1 && centre.is_contiguous() && centre.numel() == g.B * g.C,
               "second_moment: expected pooling and a contiguous centre (B, 1, 1, C)");
   auto second = x.new_empty({g.B, g.Hp, g.Wp, g.C});
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_second_moment",
-                             [&] { KERNEL(second_moment_impl<scalar_t>(x, centre, g, second)); });
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_second_moment", [&] {
+    KERNEL(second_moment_impl<scalar_t>(x, centre, g, second));
+  });
   return second;
 }
 
@@ -140,11 +142,11 @@ torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& mean_ln,
   auto y = torch::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_forward", [&] {
     if (raw_second)
-      KERNEL(forward_impl<scalar_t, true>(x, mean_ln, var_ln, first, second, centre, ratios, weight,
-                                   bias, eps, g, y));
+      KERNEL(forward_impl<scalar_t, true>(x, mean_ln, var_ln, first, second, centre, ratios,
+                                          weight, bias, eps, g, y));
     else
-      KERNEL(forward_impl<scalar_t, false>(x, mean_ln, var_ln, first, second, centre, ratios, weight,
-                                    bias, eps, g, y));
+      KERNEL(forward_impl<scalar_t, false>(x, mean_ln, var_ln, first, second, centre, ratios,
+                                           weight, bias, eps, g, y));
   });
   return y;
 }
@@ -167,11 +169,13 @@ std::vector<torch::Tensor> backward(const torch::Tensor& g_y, const torch::Tenso
   auto sums = x.new_empty({g.units(), 6, g.C});
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_backward", [&] {
     if (raw_second)
-      KERNEL(backward_impl<scalar_t, true>(g_y, x, mean_ln, var_ln, first, second, centre, ratios,
-                                    weight, eps, g, dx, tok1, tok2, sums, dm_first, dm_second));
+      KERNEL(backward_impl<scalar_t, true>(g_y, x, mean_ln, var_ln, first, second, centre,
+                                           ratios, weight, eps, g, dx, tok1, tok2, sums, dm_first,
+                                           dm_second));
     else
-      KERNEL(backward_impl<scalar_t, false>(g_y, x, mean_ln, var_ln, first, second, centre, ratios,
-                                     weight, eps, g, dx, tok1, tok2, sums, dm_first, dm_second));
+      KERNEL(backward_impl<scalar_t, false>(g_y, x, mean_ln, var_ln, first, second, centre,
+                                            ratios, weight, eps, g, dx, tok1, tok2, sums,
+                                            dm_first, dm_second));
   });
   return {dx, tok1, tok2, sums.sum(0)};
 }

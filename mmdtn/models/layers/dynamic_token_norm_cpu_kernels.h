@@ -8,6 +8,13 @@ inline T inter_token_variance(T first, T second) {
   return RAW ? std::max(second - first * first, T(0)) : second;
 }
 
+// The rows lambda_m, 1 - lambda_m, lambda_v, 1 - lambda_v of the contiguous (4, C) ratios.
+template <typename T>
+inline std::array<const T*, 4> ratio_rows(const torch::Tensor& ratios, int64_t C) {
+  const T* r = ratios.data_ptr<T>();
+  return {r, r + C, r + 2 * C, r + 3 * C};
+}
+
 // Eq. 2 per token (mean, and variance about it divided by n_var) and, with pooling, the mean of x
 // over every cell's real tokens; without pooling the sum of x over every unit (one token row).
 template <typename T>
@@ -96,10 +103,7 @@ void forward_impl(const torch::Tensor& x, const torch::Tensor& mean_ln,
   const T* pmu = mean_ln.data_ptr<T>();
   const T* pvar = var_ln.data_ptr<T>();
   const T* pcen = centre.data_ptr<T>();
-  const T* lam_m = ratios.data_ptr<T>();
-  const T* kap_m = lam_m + g.C;
-  const T* lam_v = kap_m + g.C;
-  const T* kap_v = lam_v + g.C;
+  const auto [lam_m, kap_m, lam_v, kap_v] = ratio_rows<T>(ratios, g.C);
   const T* pw = weight.data_ptr<T>();
   const T* pb = bias.data_ptr<T>();
   T* py = y.data_ptr<T>();
@@ -153,8 +157,9 @@ inline TokenGrad<T> token_grad(T x, T g, T w, T mu, T var, T lam_m, T lam_v, T c
 // Backward pass over the tokens: D1 (written into dx) and D2; their per-token channel sums with
 // the lambdas (tok1, tok2); per-unit channel sums for the gradients of weight, bias and the gates
 // (xhat g, g, mu_ln D1, var_ln D2, mu_it D1, var_it D2); and dL/dm of every cell of the unit:
-// dL/dm_second = -(1 - lam_v) / 2 sum D2 [var_it > 0], dL/dm_first = -(1 - lam_m) sum D1 - 2 m_first
-// dL/dm_second. Tokens of one cell are taken in pairs, which halves the updates of the sums.
+// dL/dm_second = -(1 - lam_v) / 2 sum D2 [var_it > 0] and
+// dL/dm_first = -(1 - lam_m) sum D1 - 2 m_first dL/dm_second.
+// Tokens of one cell are taken in pairs, which halves the updates of the sums.
 template <typename T, bool RAW>
 void backward_impl(const torch::Tensor& g_y, const torch::Tensor& x, const torch::Tensor& mean_ln,
                    const torch::Tensor& var_ln, const torch::Tensor& first,
@@ -168,10 +173,7 @@ void backward_impl(const torch::Tensor& g_y, const torch::Tensor& x, const torch
   const T* pmu = mean_ln.data_ptr<T>();
   const T* pvar = var_ln.data_ptr<T>();
   const T* pcen = centre.data_ptr<T>();
-  const T* lam_m = ratios.data_ptr<T>();
-  const T* kap_m = lam_m + g.C;
-  const T* lam_v = kap_m + g.C;
-  const T* kap_v = lam_v + g.C;
+  const auto [lam_m, kap_m, lam_v, kap_v] = ratio_rows<T>(ratios, g.C);
   const T* pw = weight.data_ptr<T>();
   T* pdx = dx.data_ptr<T>();
   T* pt1 = tok1.data_ptr<T>();
