@@ -632,13 +632,14 @@ def _dtn_forward(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, keep)
     those are as large as x; of them only u = P_x T (twice x's size) is kept, the costliest to
     recompute, and the rest is recomputed from x."""
     mean_ln, var_ln, pooled, centre, second = _token_statistics(x, grid, convention)
+    native = _native(x)
     # without pooling the products are as large as x: temporaries from reused CPU memory
-    empty = _Scratch(x).empty if _native(x) and grid.s == 1 else None
+    empty = _Scratch(x).empty if native and grid.s == 1 else None
     T = _moments(pooled, centre, second, grid, empty)
     keep_u = keep and grid.s == 1
     u_out = T.new_empty(grid.nh, 2, grid.B, grid.Hp, grid.Wp, grid.d) if keep_u else None
     u, m = _positional_products(T, p_y, p_x, variance=grid.s > 1, empty=empty, u_out=u_out)
-    if _native(x):
+    if native:
         y = _native_ops.forward(x, mean_ln, var_ln, *grid.cell_moments(m), grid.s == 1, centre,
                                 ratios.contiguous(), weight.contiguous(), bias.contiguous(), eps,
                                 grid.H, grid.W, grid.s, grid.nh)
@@ -673,7 +674,8 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
     B, N, C = x.shape
     nh, Hp, Wp = grid.nh, grid.Hp, grid.Wp
     mean_ln, var_ln, centre, with_second, T, m, u = saved
-    empty = _Scratch(x).empty if _native(x) and grid.s == 1 else None  # as in _dtn_forward
+    native = _native(x)
+    empty = _Scratch(x).empty if native and grid.s == 1 else None  # as in _dtn_forward
     if T is None:  # no pooling: T = (x - centre, its square) and m recomputed, u kept
         T = _moments(grid.pool(x), centre, None, grid, empty)
         _, m = _positional_products(T, p_y, p_x, variance=False, empty=empty, u=u)
@@ -686,7 +688,7 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
     # channels (tok1, tok2) and over tokens, and dL/dm (into work). Eq. 5 weights:
     # mu = lam_m mu_ln + (1 - lam_m) mu_it, var likewise; dL/dmu = -D1, dL/dvar = -D2 / 2;
     # dL/dm_second = dL/dvar_it [var_it > 0], dL/dm_first = dL/dmu_it - 2 m_first dL/dm_second
-    if _native(x):
+    if native:
         dx, tok1, tok2, sums = _native_ops.backward(
             g, x, mean_ln, var_ln, *grid.cell_moments(m), grid.s == 1, centre,
             ratios.contiguous(), weight.contiguous(), eps, grid.H, grid.W, grid.s, nh,
@@ -718,7 +720,7 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
     n_var = C - 1 if convention.unbiased_ln_var else C
     beta = tok2.mul_(-1.0 / n_var)  # dL/dvar_ln * 2 / n_var with dL/dvar_ln = -tok2 / 2
     alpha = torch.addcmul(tok1.div_(-C), beta, mean_ln, value=-1)  # dL/dmu_ln / C - beta mu_ln
-    if _native(x):
+    if native:
         _native_ops.input_grad(dx, x, beta, alpha, grid.from_cm(d_first),
                                None if d_second is None else grid.from_cm(d_second), centre,
                                grid.H, grid.W, grid.s, nh)

@@ -43,6 +43,12 @@ struct Grid {
   // token rows [i0, i1) of unit u = b * Hp + ci
   int64_t first_row(int64_t u) const { return (u % Hp) * s; }
   int64_t end_row(int64_t u) const { return std::min(H, first_row(u) + s); }
+  // token columns [cj * s, end_col(cj)) of cell column cj
+  int64_t end_col(int64_t cj) const { return std::min(W, (cj + 1) * s); }
+  // real tokens of cell (unit u, column cj)
+  int64_t cell_tokens(int64_t u, int64_t cj) const {
+    return (end_row(u) - first_row(u)) * (end_col(cj) - cj * s);
+  }
 };
 
 void check_cell_view(const torch::Tensor& t, const Grid& g, const char* name) {

@@ -15,6 +15,15 @@ inline std::array<const T*, 4> ratio_rows(const torch::Tensor& ratios, int64_t C
   return {r, r + C, r + 2 * C, r + 3 * C};
 }
 
+// The Wp cell sums (Wp, C) of unit u divided by the cells' numbers of real tokens.
+template <typename T>
+inline void sums_to_means(T* sums, int64_t u, const Grid& g) {
+  for (int64_t cj = 0; cj < g.Wp; ++cj) {
+    const T inv = T(1) / T(g.cell_tokens(u, cj));
+    for (int64_t c = 0; c < g.C; ++c) sums[cj * g.C + c] *= inv;
+  }
+}
+
 // Eq. 2 per token (mean, and variance about it divided by n_var) and, with pooling, the mean of x
 // over every cell's real tokens; without pooling the sum of x over every unit (one token row).
 template <typename T>
@@ -51,13 +60,7 @@ void statistics_impl(const torch::Tensor& x, double n_var, const Grid& g, torch:
           pvar[t] = squares / n;
         }
       }
-      if (g.s > 1) {  // cell sums -> cell means
-        const int64_t rows = g.end_row(u) - g.first_row(u);
-        for (int64_t cj = 0; cj < g.Wp; ++cj) {
-          const T inv = T(1) / T(rows * (std::min(g.W, (cj + 1) * g.s) - cj * g.s));
-          for (int64_t c = 0; c < C; ++c) sums[cj * C + c] *= inv;
-        }
-      }
+      if (g.s > 1) sums_to_means(sums, u, g);
     }
   });
 }
@@ -84,11 +87,7 @@ void second_moment_impl(const torch::Tensor& x, const torch::Tensor& centre, con
           for (int64_t c = 0; c < C; ++c) st[c] += (xt[c] - cen[c]) * (xt[c] - cen[c]);
         }
       }
-      const int64_t rows = g.end_row(u) - g.first_row(u);
-      for (int64_t cj = 0; cj < g.Wp; ++cj) {
-        const T inv = T(1) / T(rows * (std::min(g.W, (cj + 1) * g.s) - cj * g.s));
-        for (int64_t c = 0; c < C; ++c) sums[cj * C + c] *= inv;
-      }
+      sums_to_means(sums, u, g);
     }
   });
 }
@@ -218,7 +217,7 @@ void backward_impl(const torch::Tensor& g_y, const torch::Tensor& x, const torch
           const T* g0 = pg + t * C;
           T* dx0 = pdx + t * C;
           const T mu0 = pmu[t], var0 = pvar[t];
-          if (j + 1 < std::min(g.W, (cj + 1) * g.s)) {  // a pair of tokens of this cell
+          if (j + 1 < g.end_col(cj)) {  // a pair of tokens of this cell
             const T *x1 = x0 + C, *g1 = g0 + C;
             T* dx1 = dx0 + C;
             const T mu1 = pmu[t + 1], var1 = pvar[t + 1];
@@ -309,11 +308,10 @@ void input_grad_impl(torch::Tensor& dx, const torch::Tensor& x, const torch::Ten
   at::parallel_for(0, g.units(), 1, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const int64_t b = u / g.Hp, ci = u % g.Hp;
-      const int64_t rows = g.end_row(u) - g.first_row(u);
       for (int64_t i = g.first_row(u); i < g.end_row(u); ++i) {
         for (int64_t j = 0; j < g.W; ++j) {
           const int64_t t = (b * g.H + i) * g.W + j, cj = j / g.s;
-          const T inv_n = T(1) / T(rows * (std::min(g.W, (cj + 1) * g.s) - cj * g.s));
+          const T inv_n = T(1) / T(g.cell_tokens(u, cj));
           const T beta_t = pbeta[t], alpha_t = palpha[t];
           const T* xt = px + t * g.C;
           T* dxt = pdx + t * g.C;
