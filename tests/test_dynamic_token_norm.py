@@ -390,6 +390,36 @@ def test_chunked_passes_equal_dense_reference(monkeypatch, pool, hw, chunk):
         assert torch.allclose(a, b, atol=1e-9)
 
 
+@pytest.mark.parametrize('pool,hw', [(1, (12, 60)), (1, (60, 12)), (2, (21, 117)), (1, (56, 9))])
+@pytest.mark.parametrize('a1', [-1.0, -2.5, -0.1])
+def test_banded_positional_products_equal_dense_reference(dtn_implementation, pool, hw, a1):
+    """With the CPU kernels the positional products skip the exact zeros of P_x and P_y on long
+    axes (blocks of rows, the last one partial, bands wider on one side than the other); values
+    and gradients still equal the dense formulation. a1 = -0.1 spreads P too widely for a band on
+    these grids and keeps the dense products, as does the PyTorch implementation."""
+    from mmdtn.models.layers.dynamic_token_norm import _Band
+    torch.manual_seed(0)
+    norm = randomize(DynamicTokenNorm(8, 4, pool_size=pool)).double()
+    with torch.no_grad():  # Eq. 7 peaks at distinct neighbours, other widths, random gates
+        offsets = torch.tensor(neighbourhood_offsets(4), dtype=torch.float64)
+        norm.pos_coef[:, 0] = a1
+        norm.pos_coef[:, 1:] = -2 * a1 * offsets
+    p_y, p_x = norm.axis_matrices(hw)
+    long_axis = p_x if p_x.shape[-1] >= p_y.shape[-1] else p_y
+    banded = dtn_implementation == 'cpu_kernels' and a1 != -0.1
+    assert _Band(long_axis, native=dtn_implementation == 'cpu_kernels').banded == banded
+    H, W = hw
+    x = tokens(2, H, W, 8).requires_grad_()
+    g = torch.randn(2, H * W, 8, dtype=torch.float64)
+    y = norm(x, hw)
+    ref = dense_dtn(x, hw, norm)[0]
+    assert torch.allclose(y, ref, atol=1e-10)
+    grads = torch.autograd.grad((y * g).sum(), [x, *norm.parameters()])
+    ref_grads = torch.autograd.grad((ref * g).sum(), [x, *norm.parameters()])
+    for a, b in zip(grads, ref_grads):
+        assert torch.allclose(a, b, atol=1e-9, rtol=1e-9)
+
+
 def _forward_backward(norms, x, hw, g):
     """Output of the stacked ``norms`` and the gradients of (y * g).sum() for x and parameters."""
     y = x
@@ -430,14 +460,15 @@ def test_backward_twice_with_retained_graph_gives_same_gradients():
 
 def test_cpu_kernels_baseline_and_avx512_builds_agree(tmp_path):
     """ATEN_CPU_CAPABILITY=default selects the baseline build of the kernels (on CPUs with AVX-512
-    the other run uses the AVX-512 build); float64 results agree to rounding."""
+    the other run uses the AVX-512 build); float64 results agree to rounding. The 12 x 60 grid
+    uses the banded positional products along W."""
     import subprocess
     import sys
     script = (
         'import torch, sys\n'
         'from mmdtn import DynamicTokenNorm\n'
         'out = {}\n'
-        'for pool, hw in [(1, (9, 13)), (4, (17, 22))]:\n'
+        'for pool, hw in [(1, (9, 13)), (4, (17, 22)), (1, (12, 60))]:\n'
         '    torch.manual_seed(0)\n'
         '    norm = DynamicTokenNorm(24, 4, pool_size=pool).double()\n'
         '    with torch.no_grad():\n'
@@ -456,6 +487,7 @@ def test_cpu_kernels_baseline_and_avx512_builds_agree(tmp_path):
         path = tmp_path / f'{capability}.pt'
         subprocess.run([sys.executable, '-c', script, str(path)], env=env, check=True)
         results.append(torch.load(path))
+    assert len(results[0]) == 3
     for pool in results[0]:
         for a, b in zip(results[0][pool], results[1][pool]):
             assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)

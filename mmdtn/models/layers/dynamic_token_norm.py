@@ -531,7 +531,8 @@ def _moments(pooled, centre, second, grid, empty=None):
     return T
 
 
-def _positional_products(T, p_y, p_x, variance=True, empty=None, u=None, u_out=None):
+def _positional_products(T, p_y, p_x, variance=True, empty=None, u=None, u_out=None,
+                         bands=None):
     """Eq. 5: P^h = P_y^h (kron) P_x^h applied to both moments T (nh, Wp, 2, B, Hp, d).
 
     Returns:
@@ -539,29 +540,30 @@ def _positional_products(T, p_y, p_x, variance=True, empty=None, u=None, u_out=N
         same layout: P^h T_0 and P^h T_1. With ``variance`` the second slot is turned into the
         inter-token variance P^h T_1 - (P^h T_0)^2, clamped at 0 (about the centre).
         ``empty(*shape)`` allocates the results and temporaries (default: new tensors); u is
-        taken as given, or written into ``u_out`` if given.
+        taken as given, or written into ``u_out`` if given. ``bands``: the :class:`_Band` of
+        p_y and p_x (default: found here).
     """
+    band_y, band_x = bands or (_Band(p_y, _native(T)), _Band(p_x, _native(T)))
     if u is None:
-        u = _row_products(T, p_x, empty, u_out)
+        u = _row_products(T, p_x, band_x, empty, u_out)
     nh, k, B, Hp, Wp, d = u.shape
-    factors = p_y[:, None].expand(nh, k * B, Hp, Hp).reshape(-1, Hp, Hp)
     out = None if empty is None else empty(*u.shape).view(-1, Hp, Wp * d)
-    m = _bmm(factors, u.view(-1, Hp, Wp * d), out=out).view(u.shape)  # sum over source rows
+    m = band_y.matmul(p_y, u.view(-1, Hp, Wp * d), out=out).view(u.shape)  # over source rows
     if variance:
         m[:, 1].addcmul_(m[:, 0], m[:, 0], value=-1).clamp_min_(0)
     return u, m
 
 
-def _row_products(T, p_x, empty=None, out=None):
+def _row_products(T, p_x, band_x, empty=None, out=None):
     """P_x^h times every row of cells (sum over source columns), one matrix product per head on
     the column-major T (nh, Wp, 2, B, Hp, d) -> head-major (nh, 2, B, Hp, Wp, d), into ``out`` if
     given; ``empty(*shape)`` allocates the temporary (default: a new tensor)."""
     nh, Wp, k, B, Hp, d = T.shape
     if empty is None and out is None:
-        t = _bmm(p_x, T.view(nh, Wp, -1)).view(T.shape)
+        t = band_x.matmul(p_x, T.view(nh, Wp, -1)).view(T.shape)
         return t.permute(0, 2, 3, 4, 1, 5).contiguous()
     empty = empty or T.new_empty
-    t = _bmm(p_x, T.view(nh, Wp, -1), out=empty(nh, Wp, T[0, 0].numel())).view(T.shape)
+    t = band_x.matmul(p_x, T.view(nh, Wp, -1), out=empty(nh, Wp, T[0, 0].numel())).view(T.shape)
     out = empty(nh, k, B, Hp, Wp, d) if out is None else out
     return out.copy_(t.permute(0, 2, 3, 4, 1, 5))
 
@@ -571,6 +573,58 @@ def _bmm(a, b, out=None):
     if out is None or torch.jit.is_tracing():
         return torch.bmm(a, b)
     return torch.bmm(a, b, out=out)
+
+
+#: The banded kernels are used when the union of the nonzero spans of _BAND_ROWS consecutive rows
+#: of P covers at most this fraction of a row; beyond it the dense products are as fast.
+_BAND_MAX_FILL = 0.7
+_BAND_ROWS = 4  # rows per block of the banded kernels (kRows in dynamic_token_norm_cpu_kernels.h)
+
+
+class _Band:
+    """Products with one axis factor P (nP, L, L) of Eq. 6 that skip its exact zeros.
+
+    Far from its peak every row of P is exact zeros (:func:`_softmax`): with the paper's
+    initialisation only about 15 of a row's L weights are nonzero, on any grid. On CPUs with the
+    fused kernels, products with P and P^T and the gradient of P visit only the nonzero span of
+    every row; the result is exact, since outside it P contributes nothing and the softmax passes
+    no gradient through a zero weight. Wide bands (P spread over the whole axis), other devices and
+    traced graphs (FLOP counters) use dense batched products.
+
+    Batches of matrices x (nP * group, L, N) use P[k // group] for matrix k.
+    """
+
+    def __init__(self, p, native):
+        L = p.shape[-1]
+        self.banded = False
+        if native and L >= 2 * _BAND_ROWS and not torch.jit.is_tracing():
+            nonzero = (p.detach() != 0).flatten(0, -3).any(0)
+            offsets = _relative_offsets(L, p.device, torch.int64)[nonzero]  # j - i
+            width = int(offsets.max()) - int(offsets.min()) + 1
+            self.banded = width + _BAND_ROWS - 1 <= _BAND_MAX_FILL * L
+
+    @staticmethod
+    def _factors(p, x):
+        group = x.shape[0] // p.shape[0]
+        L = p.shape[-1]
+        return p if group == 1 else p[:, None].expand(-1, group, L, L).reshape(-1, L, L)
+
+    def matmul(self, p, x, out=None, transpose=False):
+        """P X (P^T X with ``transpose``) for contiguous x (n, L, N), into ``out`` if given."""
+        if self.banded:
+            out = torch.empty_like(x) if out is None else out
+            _native_ops.band_matmul(p.detach().contiguous(), x, out, x.shape[0] // p.shape[0],
+                                    transpose)
+            return out
+        factors = self._factors(p, x)
+        return _bmm(factors.transpose(1, 2) if transpose else factors, x, out=out)
+
+    def outer(self, p, a, x):
+        """The gradient of P for u = P x and dL/du = a, per matrix: a x^T (n, L, L), within the
+        nonzero span of P's rows (0 outside it) when banded."""
+        if self.banded:
+            return _native_ops.band_outer(p.detach().contiguous(), a, x, x.shape[0] // p.shape[0])
+        return _bmm(a, x.transpose(1, 2))
 
 
 def _cell_terms(m, centre, kap_m, kap_v, eps, grid, out=None):
@@ -638,7 +692,9 @@ def _dtn_forward(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, keep)
     T = _moments(pooled, centre, second, grid, empty)
     keep_u = keep and grid.s == 1
     u_out = T.new_empty(grid.nh, 2, grid.B, grid.Hp, grid.Wp, grid.d) if keep_u else None
-    u, m = _positional_products(T, p_y, p_x, variance=grid.s > 1, empty=empty, u_out=u_out)
+    bands = _Band(p_y, native), _Band(p_x, native)
+    u, m = _positional_products(T, p_y, p_x, variance=grid.s > 1, empty=empty, u_out=u_out,
+                                bands=bands)
     if native:
         y = _native_ops.forward(x, mean_ln, var_ln, *grid.cell_moments(m), grid.s == 1, centre,
                                 ratios.contiguous(), weight.contiguous(), bias.contiguous(), eps,
@@ -648,7 +704,7 @@ def _dtn_forward(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, keep)
     if not keep:
         return y, None
     cell = (T, m, None) if grid.s > 1 else (None, None, u)
-    return y, (mean_ln, var_ln, centre, second is not None, *cell)
+    return y, (mean_ln, var_ln, centre, second is not None, *cell, bands)
 
 
 def _eager_output(x, mean_ln, var_ln, m, centre, ratios, weight, bias, grid, eps):
@@ -673,15 +729,16 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
     """Gradients of :func:`_dtn_forward` for x, p_y, p_x, ratios, weight and bias."""
     B, N, C = x.shape
     nh, Hp, Wp = grid.nh, grid.Hp, grid.Wp
-    mean_ln, var_ln, centre, with_second, T, m, u = saved
+    mean_ln, var_ln, centre, with_second, T, m, u, bands = saved
+    band_y, band_x = bands
     native = _native(x)
     empty = _Scratch(x).empty if native and grid.s == 1 else None  # as in _dtn_forward
     if T is None:  # no pooling: T = (x - centre, its square) and m recomputed, u kept
         T = _moments(grid.pool(x), centre, None, grid, empty)
-        _, m = _positional_products(T, p_y, p_x, variance=False, empty=empty, u=u)
+        _, m = _positional_products(T, p_y, p_x, variance=False, empty=empty, u=u, bands=bands)
         spare = torch.empty_like(u) if empty is None else empty(*u.shape)  # for dL/du, dL/dT
     else:
-        u = spare = _row_products(T, p_x)
+        u = spare = _row_products(T, p_x, band_x)
     work = torch.empty_like(m) if empty is None else empty(*m.shape)  # dL/dm, later dL/du
 
     # pass 1: D1 = g w rstd = -dL/dmu (into dx), D2 = D1 xhat rstd = -2 dL/dvar, their sums over
@@ -702,14 +759,13 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
     # the positional products backwards: dL/dm -> dL/dP_y, dL/du -> dL/dP_x, dL/dT
     d = grid.d
     dm, u_rows = work.view(-1, Hp, Wp * d), u.view(-1, Hp, Wp * d)
-    grad_p_y = _bmm(dm, u_rows.transpose(1, 2)).view(nh, 2 * B, Hp, Hp).sum(1)
-    factors = p_y.transpose(1, 2)[:, None].expand(nh, 2 * B, Hp, Hp).reshape(-1, Hp, Hp)
-    du = _bmm(factors, dm, out=spare.view(u_rows.shape))  # dL/du, head-major
+    grad_p_y = band_y.outer(p_y, dm, u_rows).view(nh, 2 * B, Hp, Hp).sum(1)
+    du = band_y.matmul(p_y, dm, out=spare.view(u_rows.shape), transpose=True)  # dL/du
     du_cm = work.view(nh, Wp, 2, B, Hp, d)  # dL/du, column-major, into work
     du_cm.copy_(du.view(nh, 2, B, Hp, Wp, d).permute(0, 4, 1, 2, 3, 5))
     du_cm = du_cm.view(nh, Wp, -1)
-    grad_p_x = _bmm(du_cm, T.view(nh, Wp, -1).transpose(1, 2))
-    dT = _bmm(p_x.transpose(1, 2), du_cm, out=spare.view(nh, Wp, -1)).view(T.shape)
+    grad_p_x = band_x.outer(p_x, du_cm, T.view(nh, Wp, -1))
+    dT = band_x.matmul(p_x, du_cm, out=spare.view(nh, Wp, -1), transpose=True).view(T.shape)
     d_first, d_second = dT[:, :, 0], dT[:, :, 1]
     if grid.s > 1 and not with_second:  # second moment = first^2 (reference convention)
         d_first.addcmul_(T[:, :, 0], d_second, value=2)

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -203,6 +204,41 @@ void input_grad(torch::Tensor& dx, const torch::Tensor& x, const torch::Tensor& 
   });
 }
 
+void check_band_operands(const torch::Tensor& p, const torch::Tensor& x, int64_t group) {
+  TORCH_CHECK(p.device().is_cpu() && p.is_contiguous() && p.dim() == 3 && p.size(1) == p.size(2),
+              "P: expected contiguous CPU matrices (nP, L, L)");
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 3 && x.size(1) == p.size(1) &&
+                  x.scalar_type() == p.scalar_type() && group >= 1 &&
+                  x.size(0) == p.size(0) * group,
+              "X: expected a contiguous (nP * group, L, N) tensor of P's dtype");
+}
+
+void band_matmul(const torch::Tensor& p, const torch::Tensor& x, torch::Tensor& out,
+                 int64_t group, bool transpose) {
+  check_band_operands(p, x, group);
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(),
+              "out: expected a contiguous tensor of X's shape and dtype");
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_band_matmul", [&] {
+    KERNEL(band_matmul_impl<scalar_t>(p.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(),
+                                      out.data_ptr<scalar_t>(), x.size(0), group, x.size(1),
+                                      x.size(2), transpose));
+  });
+}
+
+torch::Tensor band_outer(const torch::Tensor& p, const torch::Tensor& a, const torch::Tensor& x,
+                         int64_t group) {
+  check_band_operands(p, x, group);
+  TORCH_CHECK(a.is_contiguous() && a.sizes() == x.sizes() && a.scalar_type() == x.scalar_type(),
+              "A: expected a contiguous tensor of X's shape and dtype");
+  auto g = x.new_empty({x.size(0), x.size(1), x.size(1)});
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_band_outer", [&] {
+    KERNEL(band_outer_impl<scalar_t>(p.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(),
+                                     x.data_ptr<scalar_t>(), g.data_ptr<scalar_t>(), x.size(0),
+                                     group, x.size(1), x.size(2)));
+  });
+  return g;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -211,4 +247,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "DTN output pass (Eqs. 4, 5)");
   m.def("backward", &backward, "DTN backward pass over the tokens");
   m.def("input_grad", &input_grad, "DTN input gradient pass");
+  m.def("band_matmul", &band_matmul, "P X (or P^T X) over the nonzero span of every row of P");
+  m.def("band_outer", &band_outer, "A X^T where P is nonzero, 0 elsewhere");
 }

@@ -332,3 +332,170 @@ void input_grad_impl(torch::Tensor& dx, const torch::Tensor& x, const torch::Ten
     }
   });
 }
+
+// Banded products with the positional factors (P_x or P_y, Eq. 6), which are exact zeros far
+// from the diagonal (see _softmax in dynamic_token_norm.py): only the nonzero spans of the rows of
+// P are visited. P is (nP, L, L) contiguous; matrix k of the batch uses P[k / group]. X, Y and A
+// are contiguous (n, L, N). Both kernels work on kRows rows of P at a time over the union of their
+// spans, with the accumulators in vector registers (GCC vector extensions, 64 bytes: one AVX-512
+// register, or four SSE registers in the baseline build).
+template <typename T>
+struct VecOf;
+template <>
+struct VecOf<float> {
+  typedef float type __attribute__((vector_size(64)));
+};
+template <>
+struct VecOf<double> {
+  typedef double type __attribute__((vector_size(64)));
+};
+template <typename T>
+using Vec = typename VecOf<T>::type;
+
+template <typename T>
+inline void load(Vec<T>& v, const T* p) {
+  __builtin_memcpy(&v, p, sizeof(v));
+}
+
+template <typename T>
+inline void store(T* p, const Vec<T>& v) {
+  __builtin_memcpy(p, &v, sizeof(v));
+}
+
+template <typename T>
+inline T lane_sum(const Vec<T>& v) {
+  T total = 0;
+  for (size_t c = 0; c < sizeof(v) / sizeof(T); ++c) total += v[c];
+  return total;
+}
+
+constexpr int64_t kRows = 4;
+
+// The span [j0, j1) of the nonzero entries of row i of the L x L matrix p (of column i with
+// ``transpose``); empty (j0 == j1) for a zero row.
+template <typename T>
+inline std::pair<int64_t, int64_t> nonzero_span(const T* p, int64_t i, int64_t L, bool transpose) {
+  const int64_t step = transpose ? L : 1;
+  const T* row = transpose ? p + i : p + i * L;
+  int64_t j0 = 0, j1 = L;
+  while (j0 < L && row[j0 * step] == T(0)) ++j0;
+  while (j1 > j0 && row[(j1 - 1) * step] == T(0)) --j1;
+  return {j0, j1};
+}
+
+// Rows [i0, i0 + rows) of p (transposed or not): the union [j0, j1) of their spans and their
+// weights there, w[(j - j0) * kRows + q] (0 for q >= rows).
+template <typename T>
+inline std::pair<int64_t, int64_t> row_block(const T* p, int64_t i0, int64_t rows, int64_t L,
+                                             bool transpose, std::vector<T>& w) {
+  int64_t j0 = L, j1 = 0;
+  for (int64_t q = 0; q < rows; ++q) {
+    const auto [a, b] = nonzero_span(p, i0 + q, L, transpose);
+    if (a < b) j0 = std::min(j0, a), j1 = std::max(j1, b);
+  }
+  j1 = std::max(j0, j1);
+  w.assign((j1 - j0) * kRows, T(0));
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t q = 0; q < rows; ++q)
+      w[(j - j0) * kRows + q] = transpose ? p[j * L + i0 + q] : p[(i0 + q) * L + j];
+  return {j0, j1};
+}
+
+// Y[k, i] = sum_j P[i, j] X[k, j] (P[j, i] with ``transpose``) over the nonzero span of row i.
+template <typename T>
+void band_matmul_impl(const T* P, const T* X, T* Y, int64_t n, int64_t group, int64_t L,
+                      int64_t N, bool transpose) {
+  constexpr int64_t V = sizeof(Vec<T>) / sizeof(T);
+  constexpr int64_t kTile = 4 * V;
+  const int64_t blocks = (L + kRows - 1) / kRows;
+  at::parallel_for(0, n * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> w;
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t k = r / blocks, i0 = (r % blocks) * kRows, rows = std::min(kRows, L - i0);
+      const auto [j0, j1] = row_block(P + (k / group) * L * L, i0, rows, L, transpose, w);
+      const T* x = X + k * L * N;
+      T* y = Y + (k * L + i0) * N;
+      int64_t c0 = 0;
+      for (; c0 + kTile <= N; c0 += kTile) {
+        Vec<T> acc[kRows][4] = {};
+        for (int64_t j = j0; j < j1; ++j) {
+          const T* xj = x + j * N + c0;
+          Vec<T> x0, x1, x2, x3;
+          load<T>(x0, xj);
+          load<T>(x1, xj + V);
+          load<T>(x2, xj + 2 * V);
+          load<T>(x3, xj + 3 * V);
+          const T* wj = w.data() + (j - j0) * kRows;
+#pragma GCC unroll 4
+          for (int64_t q = 0; q < kRows; ++q) {
+            acc[q][0] += wj[q] * x0;
+            acc[q][1] += wj[q] * x1;
+            acc[q][2] += wj[q] * x2;
+            acc[q][3] += wj[q] * x3;
+          }
+        }
+        for (int64_t q = 0; q < rows; ++q)
+          for (int64_t v = 0; v < 4; ++v) store<T>(y + q * N + c0 + v * V, acc[q][v]);
+      }
+      for (int64_t q = 0; q < rows; ++q)
+        for (int64_t c = c0; c < N; ++c) {
+          T total = 0;
+          for (int64_t j = j0; j < j1; ++j) total += w[(j - j0) * kRows + q] * x[j * N + c];
+          y[q * N + c] = total;
+        }
+    }
+  });
+}
+
+// G[k, i, j] = sum_c A[k, i, c] X[k, j, c] over the nonzero span of row i of P[k / group], 0
+// elsewhere (the gradient of P, wherever the softmax passes it on).
+template <typename T>
+void band_outer_impl(const T* P, const T* A, const T* X, T* G, int64_t n, int64_t group,
+                     int64_t L, int64_t N) {
+  constexpr int64_t V = sizeof(Vec<T>) / sizeof(T);
+  constexpr int64_t kCols = 6;
+  const int64_t blocks = (L + kRows - 1) / kRows, full = N / V * V;
+  at::parallel_for(0, n * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t k = r / blocks, i0 = (r % blocks) * kRows, rows = std::min(kRows, L - i0);
+      const T* p = P + (k / group) * L * L;
+      std::pair<int64_t, int64_t> span[kRows];
+      int64_t j0 = L, j1 = 0;
+      for (int64_t q = 0; q < rows; ++q) {
+        span[q] = nonzero_span(p, i0 + q, L, false);
+        if (span[q].first < span[q].second)
+          j0 = std::min(j0, span[q].first), j1 = std::max(j1, span[q].second);
+      }
+      const T* a[kRows];
+      for (int64_t q = 0; q < kRows; ++q) a[q] = A + (k * L + i0 + std::min(q, rows - 1)) * N;
+      const T* x = X + k * L * N;
+      T* g = G + (k * L + i0) * L;
+      std::fill(g, g + rows * L, T(0));
+      for (int64_t jb = j0; jb < j1; jb += kCols) {
+        const T* xs[kCols];
+        for (int64_t jj = 0; jj < kCols; ++jj) xs[jj] = x + std::min(jb + jj, j1 - 1) * N;
+        Vec<T> acc[kRows][kCols] = {};
+        for (int64_t c = 0; c < full; c += V) {
+          Vec<T> av[kRows];
+#pragma GCC unroll 4
+          for (int64_t q = 0; q < kRows; ++q) load<T>(av[q], a[q] + c);
+#pragma GCC unroll 6
+          for (int64_t jj = 0; jj < kCols; ++jj) {
+            Vec<T> xv;
+            load<T>(xv, xs[jj] + c);
+#pragma GCC unroll 4
+            for (int64_t q = 0; q < kRows; ++q) acc[q][jj] += av[q] * xv;
+          }
+        }
+        for (int64_t q = 0; q < rows; ++q)
+          for (int64_t jj = 0; jj < kCols && jb + jj < j1; ++jj) {
+            const int64_t j = jb + jj;
+            if (j < span[q].first || j >= span[q].second) continue;
+            T total = lane_sum<T>(acc[q][jj]);
+            for (int64_t c = full; c < N; ++c) total += a[q][c] * xs[jj][c];
+            g[q * L + j] = total;
+          }
+      }
+    }
+  });
+}
