@@ -476,7 +476,7 @@ def test_cpu_kernels_baseline_and_avx512_builds_agree(tmp_path):
         '    x = torch.randn(2, hw[0] * hw[1], 24, dtype=torch.float64, requires_grad=True)\n'
         '    y = norm(x, hw)\n'
         '    grads = torch.autograd.grad(y.square().sum(), [x, *norm.parameters()])\n'
-        '    out[pool] = [y.detach(), *grads]\n'
+        '    out[(pool, hw)] = [y.detach(), *grads]\n'
         'torch.save(out, sys.argv[1])\n')
     results = []
     for capability in (None, 'default'):

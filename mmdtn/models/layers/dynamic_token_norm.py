@@ -24,8 +24,13 @@ Implementation notes:
   takes the statistics of its cell (the paper's "global average pooling", App. B.1).
 - Forward and backward are written by hand (an autograd Function; ``torch.autograd.gradcheck`` and
   the dense formulation verify them in the tests). Backward keeps x and the per-token statistics;
-  with pooling also the (small) cell moments and statistics; without pooling, where those are as
-  large as x, only u = P_x T, and the rest is recomputed.
+  with pooling also the (small) cell moments and statistics. Without pooling, where those are as
+  large as x, they are recomputed; the PyTorch implementation keeps u = P_x T, the costliest part
+  to recompute with dense products.
+- P_x^h and P_y^h are band matrices: far from its peak a row's weights are exact zeros (with the
+  paper's initialisation about 15 per row are nonzero, on any grid). On CPUs the products with
+  them, with their transposes and their gradients skip the zeros (banded C++ kernels), unless a
+  head's band spans most of the axis.
 - The full-resolution passes (Eq. 2; Eqs. 4-5 with the cell statistics; the two backward passes)
   run on CPUs in fused C++ kernels (``dynamic_token_norm_cpu.cpp``, built by ``pip install``, with
   AVX-512 variants chosen at run time), one pass over memory each. Elsewhere, or with
@@ -683,15 +688,16 @@ def _dtn_forward(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, keep)
     """Eqs. 2, 4, 5 for contiguous tokens x (B, N, C); ``ratios`` (4, C) as
     DynamicTokenNorm._channel_ratios. Returns y and, with ``keep``, what the backward pass needs:
     the per-token statistics and, with pooling, the cell moments and statistics. Without pooling
-    those are as large as x; of them only u = P_x T (twice x's size) is kept, the costliest to
-    recompute, and the rest is recomputed from x."""
+    those are as large as x and are recomputed from x; only the PyTorch implementation, whose
+    products are dense, keeps u = P_x T (twice x's size), the costliest part to recompute."""
     mean_ln, var_ln, pooled, centre, second = _token_statistics(x, grid, convention)
     native = _native(x)
     # without pooling the products are as large as x: temporaries from reused CPU memory
     empty = _Scratch(x).empty if native and grid.s == 1 else None
     T = _moments(pooled, centre, second, grid, empty)
-    keep_u = keep and grid.s == 1
-    u_out = T.new_empty(grid.nh, 2, grid.B, grid.Hp, grid.Wp, grid.d) if keep_u else None
+    u_out = None
+    if keep and grid.s == 1 and not native:
+        u_out = T.new_empty(grid.nh, 2, grid.B, grid.Hp, grid.Wp, grid.d)
     bands = _Band(p_y, native), _Band(p_x, native)
     u, m = _positional_products(T, p_y, p_x, variance=grid.s > 1, empty=empty, u_out=u_out,
                                 bands=bands)
@@ -703,7 +709,7 @@ def _dtn_forward(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, keep)
         y = _eager_output(x, mean_ln, var_ln, m, centre, ratios, weight, bias, grid, eps)
     if not keep:
         return y, None
-    cell = (T, m, None) if grid.s > 1 else (None, None, u)
+    cell = (T, m, None) if grid.s > 1 else (None, None, u_out)
     return y, (mean_ln, var_ln, centre, second is not None, *cell, bands)
 
 
@@ -733,9 +739,9 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
     band_y, band_x = bands
     native = _native(x)
     empty = _Scratch(x).empty if native and grid.s == 1 else None  # as in _dtn_forward
-    if T is None:  # no pooling: T = (x - centre, its square) and m recomputed, u kept
+    if T is None:  # no pooling: T = (x - centre, its square), m and u (if not kept) recomputed
         T = _moments(grid.pool(x), centre, None, grid, empty)
-        _, m = _positional_products(T, p_y, p_x, variance=False, empty=empty, u=u, bands=bands)
+        u, m = _positional_products(T, p_y, p_x, variance=False, empty=empty, u=u, bands=bands)
         spare = torch.empty_like(u) if empty is None else empty(*u.shape)  # for dL/du, dL/dT
     else:
         u = spare = _row_products(T, p_x, band_x)
