@@ -392,25 +392,32 @@ def test_chunked_passes_equal_dense_reference(monkeypatch, pool, hw, chunk):
 
 @pytest.mark.parametrize('pool,hw', [(1, (12, 60)), (1, (60, 12)), (2, (21, 117)), (1, (56, 9))])
 @pytest.mark.parametrize('a1', [-1.0, -2.5, -0.1])
-def test_banded_positional_products_equal_dense_reference(dtn_implementation, pool, hw, a1):
+@pytest.mark.parametrize('C,heads', [(8, 4), (32, 2)])
+def test_banded_positional_products_equal_dense_reference(dtn_implementation, pool, hw, a1, C,
+                                                          heads):
     """With the CPU kernels the positional products skip the exact zeros of P_x and P_y on long
-    axes (blocks of rows, the last one partial, bands wider on one side than the other); values
-    and gradients still equal the dense formulation. a1 = -0.1 spreads P too widely for a band on
-    these grids and keeps the dense products, as does the PyTorch implementation."""
-    from mmdtn.models.layers.dynamic_token_norm import _Band
+    axes (blocks of rows, the last one partial, bands wider on one side than the other) and,
+    without pooling and with whole vectors per head (16 channels), apply P_x on the tokens
+    themselves; values and gradients still equal the dense formulation. a1 = -0.1 spreads P too
+    widely for a band on these grids and keeps the dense products, as does the PyTorch
+    implementation."""
+    from mmdtn.models.layers.dynamic_token_norm import _Band, _Grid, _on_tokens
     torch.manual_seed(0)
-    norm = randomize(DynamicTokenNorm(8, 4, pool_size=pool)).double()
+    norm = randomize(DynamicTokenNorm(C, heads, pool_size=pool)).double()
     with torch.no_grad():  # Eq. 7 peaks at distinct neighbours, other widths, random gates
-        offsets = torch.tensor(neighbourhood_offsets(4), dtype=torch.float64)
+        offsets = torch.tensor(neighbourhood_offsets(heads), dtype=torch.float64)
         norm.pos_coef[:, 0] = a1
         norm.pos_coef[:, 1:] = -2 * a1 * offsets
     p_y, p_x = norm.axis_matrices(hw)
     long_axis = p_x if p_x.shape[-1] >= p_y.shape[-1] else p_y
-    banded = dtn_implementation == 'cpu_kernels' and a1 != -0.1
-    assert _Band(long_axis, native=dtn_implementation == 'cpu_kernels').banded == banded
+    native = dtn_implementation == 'cpu_kernels'
+    assert _Band(long_axis, native=native).banded == (native and a1 != -0.1)
     H, W = hw
-    x = tokens(2, H, W, 8).requires_grad_()
-    g = torch.randn(2, H * W, 8, dtype=torch.float64)
+    x = tokens(2, H, W, C).requires_grad_()
+    grid = _Grid(x, H, W, pool, heads)
+    on_tokens = native and pool == 1 and C == 32 and a1 != -0.1 and W > H
+    assert _on_tokens(x, grid, _Band(p_x, native=native)) == on_tokens
+    g = torch.randn(2, H * W, C, dtype=torch.float64)
     y = norm(x, hw)
     ref = dense_dtn(x, hw, norm)[0]
     assert torch.allclose(y, ref, atol=1e-10)
@@ -447,6 +454,31 @@ def test_cpu_kernels_equal_pytorch_implementation(monkeypatch, dtn_implementatio
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (a - b).abs().max()
 
 
+def test_products_on_the_tokens_equal_pytorch_implementation(monkeypatch):
+    """Float32, paper initialisation, 16 channels per head, no pooling, two stacked layers: the
+    kernels that apply P_x on the tokens agree with the PyTorch implementation."""
+    import mmdtn.models.layers.dynamic_token_norm as dtn_module
+    from mmdtn.models.layers.dynamic_token_norm import _Band, _Grid, _on_tokens
+    torch.manual_seed(0)
+    hw = (10, 40)
+    norms = [DynamicTokenNorm(64, 4) for _ in range(2)]
+    for norm in norms:
+        with torch.no_grad():
+            norm.mean_gate.uniform_(-2, 2)
+            norm.var_gate.uniform_(-2, 2)
+    x = (torch.randn(2, 400, 64) * 3 + 1).requires_grad_()
+    g = torch.randn(2, 400, 64)
+    p_x = norms[0].axis_matrices(hw)[1]
+    monkeypatch.setattr(dtn_module, 'USE_CPU_KERNELS', True)
+    assert _on_tokens(x, _Grid(x, *hw, 1, 4), _Band(p_x, native=True))
+    results = {}
+    for use in (True, False):
+        monkeypatch.setattr(dtn_module, 'USE_CPU_KERNELS', use)
+        results[use] = _forward_backward(norms, x, hw, g)
+    for a, b in zip(results[True], results[False]):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (a - b).abs().max()
+
+
 def test_backward_twice_with_retained_graph_gives_same_gradients():
     norm = randomize(DynamicTokenNorm(16, 4, pool_size=1))
     x = torch.randn(2, 30, 16, requires_grad=True)
@@ -461,7 +493,7 @@ def test_backward_twice_with_retained_graph_gives_same_gradients():
 def test_cpu_kernels_baseline_and_avx512_builds_agree(tmp_path):
     """ATEN_CPU_CAPABILITY=default selects the baseline build of the kernels (on CPUs with AVX-512
     the other run uses the AVX-512 build); float64 results agree to rounding. The 12 x 60 grid
-    uses the banded positional products along W."""
+    uses the banded positional products along W, on the tokens."""
     import subprocess
     import sys
     script = (
@@ -470,10 +502,10 @@ def test_cpu_kernels_baseline_and_avx512_builds_agree(tmp_path):
         'out = {}\n'
         'for pool, hw in [(1, (9, 13)), (4, (17, 22)), (1, (12, 60))]:\n'
         '    torch.manual_seed(0)\n'
-        '    norm = DynamicTokenNorm(24, 4, pool_size=pool).double()\n'
+        '    norm = DynamicTokenNorm(64, 4, pool_size=pool).double()\n'
         '    with torch.no_grad():\n'
         '        norm.mean_gate.uniform_(-2, 2); norm.var_gate.uniform_(-2, 2)\n'
-        '    x = torch.randn(2, hw[0] * hw[1], 24, dtype=torch.float64, requires_grad=True)\n'
+        '    x = torch.randn(2, hw[0] * hw[1], 64, dtype=torch.float64, requires_grad=True)\n'
         '    y = norm(x, hw)\n'
         '    grads = torch.autograd.grad(y.square().sum(), [x, *norm.parameters()])\n'
         '    out[(pool, hw)] = [y.detach(), *grads]\n'

@@ -573,6 +573,21 @@ def _row_products(T, p_x, band_x, empty=None, out=None):
     return out.copy_(t.permute(0, 2, 3, 4, 1, 5))
 
 
+def _on_tokens(x, grid, band_x):
+    """Whether the products with P_x run on the tokens themselves (CPU kernels, no pooling, a
+    banded P_x, whole vectors per head): the moments T are then never built nor transposed."""
+    return (band_x.banded and grid.s == 1 and _native(x)
+            and grid.d % (64 // x.element_size()) == 0)
+
+
+def _token_row_products(x, p_x, centre, grid, empty):
+    """u = P_x T for the moments T of the tokens x about centre, head-major (nh, 2, B, H, W, d),
+    from the CPU kernel that forms T on the fly (see :func:`_on_tokens`)."""
+    u = empty(grid.nh, 2, grid.B, grid.H, grid.W, grid.d)
+    _native_ops.row_moments(p_x.contiguous(), x, centre, u, grid.H, grid.W, grid.nh)
+    return u
+
+
 def _bmm(a, b, out=None):
     """torch.bmm, into ``out`` if given (FLOP counters of traced graphs expect bmm without out=)."""
     if out is None or torch.jit.is_tracing():
@@ -694,13 +709,16 @@ def _dtn_forward(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, keep)
     native = _native(x)
     # without pooling the products are as large as x: temporaries from reused CPU memory
     empty = _Scratch(x).empty if native and grid.s == 1 else None
-    T = _moments(pooled, centre, second, grid, empty)
-    u_out = None
-    if keep and grid.s == 1 and not native:
-        u_out = T.new_empty(grid.nh, 2, grid.B, grid.Hp, grid.Wp, grid.d)
     bands = _Band(p_y, native), _Band(p_x, native)
-    u, m = _positional_products(T, p_y, p_x, variance=grid.s > 1, empty=empty, u_out=u_out,
-                                bands=bands)
+    if _on_tokens(x, grid, bands[1]):
+        T, u_out, u = None, None, _token_row_products(x, p_x, centre, grid, empty)
+    else:
+        T = _moments(pooled, centre, second, grid, empty)
+        u_out = u = None
+        if keep and grid.s == 1 and not native:
+            u_out = T.new_empty(grid.nh, 2, grid.B, grid.Hp, grid.Wp, grid.d)
+    u, m = _positional_products(T, p_y, p_x, variance=grid.s > 1, empty=empty, u=u,
+                                u_out=u_out, bands=bands)
     if native:
         y = _native_ops.forward(x, mean_ln, var_ln, *grid.cell_moments(m), grid.s == 1, centre,
                                 ratios.contiguous(), weight.contiguous(), bias.contiguous(), eps,
@@ -739,8 +757,12 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
     band_y, band_x = bands
     native = _native(x)
     empty = _Scratch(x).empty if native and grid.s == 1 else None  # as in _dtn_forward
+    on_tokens = _on_tokens(x, grid, band_x)
     if T is None:  # no pooling: T = (x - centre, its square), m and u (if not kept) recomputed
-        T = _moments(grid.pool(x), centre, None, grid, empty)
+        if on_tokens:
+            u = _token_row_products(x, p_x, centre, grid, empty)
+        else:
+            T = _moments(grid.pool(x), centre, None, grid, empty)
         u, m = _positional_products(T, p_y, p_x, variance=False, empty=empty, u=u, bands=bands)
         spare = torch.empty_like(u) if empty is None else empty(*u.shape)  # for dL/du, dL/dT
     else:
@@ -767,15 +789,26 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
     dm, u_rows = work.view(-1, Hp, Wp * d), u.view(-1, Hp, Wp * d)
     grad_p_y = band_y.outer(p_y, dm, u_rows).view(nh, 2 * B, Hp, Hp).sum(1)
     du = band_y.matmul(p_y, dm, out=spare.view(u_rows.shape), transpose=True)  # dL/du
-    du_cm = work.view(nh, Wp, 2, B, Hp, d)  # dL/du, column-major, into work
-    du_cm.copy_(du.view(nh, 2, B, Hp, Wp, d).permute(0, 4, 1, 2, 3, 5))
-    du_cm = du_cm.view(nh, Wp, -1)
-    grad_p_x = band_x.outer(p_x, du_cm, T.view(nh, Wp, -1))
-    dT = band_x.matmul(p_x, du_cm, out=spare.view(nh, Wp, -1), transpose=True).view(T.shape)
-    d_first, d_second = dT[:, :, 0], dT[:, :, 1]
-    if grid.s > 1 and not with_second:  # second moment = first^2 (reference convention)
-        d_first.addcmul_(T[:, :, 0], d_second, value=2)
-        d_second = None
+    if on_tokens:  # P_x on the tokens: dL/dP_x and dL/dT, head-major, dL/dT into work
+        du = du.view(u.shape)
+        p_x = p_x.contiguous()
+        grad_p_x = _native_ops.row_outer_moments(p_x, x, centre, du, grid.H, grid.W, nh)
+        dT = work.view(u.shape)
+        _native_ops.row_transposed(p_x, x, du, dT, grid.H, grid.W, nh)
+        d_first, d_second = grid.cell_moments(dT)
+    else:
+        du_cm = work.view(nh, Wp, 2, B, Hp, d)  # dL/du, column-major, into work
+        du_cm.copy_(du.view(nh, 2, B, Hp, Wp, d).permute(0, 4, 1, 2, 3, 5))
+        du_cm = du_cm.view(nh, Wp, -1)
+        grad_p_x = band_x.outer(p_x, du_cm, T.view(nh, Wp, -1))
+        dT = band_x.matmul(p_x, du_cm, out=spare.view(nh, Wp, -1), transpose=True).view(T.shape)
+        d_first, d_second = dT[:, :, 0], dT[:, :, 1]
+        if grid.s > 1 and not with_second:  # second moment = first^2 (reference convention)
+            d_first.addcmul_(T[:, :, 0], d_second, value=2)
+            d_second = None
+        if native:  # cell views for the kernel
+            d_first = grid.from_cm(d_first)
+            d_second = None if d_second is None else grid.from_cm(d_second)
 
     # pass 2: dx = D1 + x beta + alpha + (dL/dT_0 + 2 (x - centre) dL/dT_1) / n with beta and
     # alpha from Eq. 2 and n the tokens of the cell
@@ -783,9 +816,8 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
     beta = tok2.mul_(-1.0 / n_var)  # dL/dvar_ln * 2 / n_var with dL/dvar_ln = -tok2 / 2
     alpha = torch.addcmul(tok1.div_(-C), beta, mean_ln, value=-1)  # dL/dmu_ln / C - beta mu_ln
     if native:
-        _native_ops.input_grad(dx, x, beta, alpha, grid.from_cm(d_first),
-                               None if d_second is None else grid.from_cm(d_second), centre,
-                               grid.H, grid.W, grid.s, nh)
+        _native_ops.input_grad(dx, x, beta, alpha, d_first, d_second, centre, grid.H, grid.W,
+                               grid.s, nh)
     else:
         _eager_input_gradient(dx, x, beta, alpha, d_first, d_second, centre, grid)
     return dx, grad_p_y, grad_p_x, grad_ratios, grad_weight, grad_bias

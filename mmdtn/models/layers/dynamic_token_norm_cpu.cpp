@@ -239,6 +239,67 @@ torch::Tensor band_outer(const torch::Tensor& p, const torch::Tensor& a, const t
   return g;
 }
 
+void check_row_product(const torch::Tensor& p, const torch::Tensor& x, const Grid& g) {
+  check_inputs(x, g);
+  TORCH_CHECK(g.s == 1 && p.is_contiguous() && p.dim() == 3 && p.size(0) == g.nh &&
+                  p.size(1) == g.W && p.size(2) == g.W && p.scalar_type() == x.scalar_type(),
+              "P_x: expected contiguous (nh, W, W) matrices of x's dtype, and no pooling");
+  TORCH_CHECK(g.d % (64 / x.element_size()) == 0,
+              "row products: the channels per head must be a multiple of the vector width");
+}
+
+void check_head_major(const torch::Tensor& t, const Grid& g, const char* name) {
+  TORCH_CHECK(t.is_contiguous() && t.dim() == 6 && t.size(0) == g.nh && t.size(1) == 2 &&
+                  t.size(2) == g.B && t.size(3) == g.H && t.size(4) == g.W && t.size(5) == g.d,
+              name, ": expected a contiguous head-major (nh, 2, B, H, W, d) tensor");
+}
+
+// u = P_x T with the moments T of x about centre (no pooling), head-major, into ``out``.
+void row_moments(const torch::Tensor& p, const torch::Tensor& x, const torch::Tensor& centre,
+                 torch::Tensor& out, int64_t H, int64_t W, int64_t num_heads) {
+  const Grid g(x, H, W, 1, num_heads);
+  check_row_product(p, x, g);
+  check_head_major(out, g, "out");
+  TORCH_CHECK(centre.is_contiguous() && centre.numel() == g.B * g.C, "centre: expected (B, C)");
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_row_moments", [&] {
+    using T = scalar_t;
+    KERNEL(row_moments_impl<T>(p.data_ptr<T>(), x.data_ptr<T>(), centre.data_ptr<T>(),
+                               out.data_ptr<T>(), g.nh, g.B, g.H, g.W, g.C, g.d));
+  });
+}
+
+// P_x^T A for a head-major A (the gradient of the moments), head-major, into ``out``.
+void row_transposed(const torch::Tensor& p, const torch::Tensor& x, const torch::Tensor& a,
+                    torch::Tensor& out, int64_t H, int64_t W, int64_t num_heads) {
+  const Grid g(x, H, W, 1, num_heads);
+  check_row_product(p, x, g);
+  check_head_major(a, g, "A");
+  check_head_major(out, g, "out");
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_row_transposed", [&] {
+    using T = scalar_t;
+    KERNEL(row_transposed_impl<T>(p.data_ptr<T>(), a.data_ptr<T>(), out.data_ptr<T>(), g.nh,
+                                  g.B, g.H, g.W, g.d));
+  });
+}
+
+// The gradient of P_x for u = P_x T (moments of x about centre) and a head-major dL/du.
+torch::Tensor row_outer_moments(const torch::Tensor& p, const torch::Tensor& x,
+                                const torch::Tensor& centre, const torch::Tensor& a, int64_t H,
+                                int64_t W, int64_t num_heads) {
+  const Grid g(x, H, W, 1, num_heads);
+  check_row_product(p, x, g);
+  check_head_major(a, g, "A");
+  TORCH_CHECK(centre.is_contiguous() && centre.numel() == g.B * g.C, "centre: expected (B, C)");
+  auto grad = x.new_empty({g.nh, W, W});
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_row_outer_moments", [&] {
+    using T = scalar_t;
+    KERNEL(row_outer_moments_impl<T>(p.data_ptr<T>(), a.data_ptr<T>(), x.data_ptr<T>(),
+                                     centre.data_ptr<T>(), grad.data_ptr<T>(), g.nh, g.B, g.H,
+                                     g.W, g.C, g.d));
+  });
+  return grad;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -249,4 +310,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("input_grad", &input_grad, "DTN input gradient pass");
   m.def("band_matmul", &band_matmul, "P X (or P^T X) over the nonzero span of every row of P");
   m.def("band_outer", &band_outer, "A X^T where P is nonzero, 0 elsewhere");
+  m.def("row_moments", &row_moments, "P_x times the moments of x, head-major (no pooling)");
+  m.def("row_transposed", &row_transposed, "P_x^T times a head-major tensor (no pooling)");
+  m.def("row_outer_moments", &row_outer_moments, "gradient of P_x (no pooling)");
 }

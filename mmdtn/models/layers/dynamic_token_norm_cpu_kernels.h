@@ -499,3 +499,160 @@ void band_outer_impl(const T* P, const T* A, const T* X, T* G, int64_t n, int64_
     }
   });
 }
+
+// Without pooling, the products with P_x straight on the tokens: no moment tensor is built and no
+// layout is transposed. Head-major tensors are (nh, 2, B, H, W, d), slot 0 for the first moment
+// x - centre and slot 1 for the second (x - centre)^2; d must be a multiple of the vector width.
+
+// The two slots of the input of a product along W, (h, b, y, token j, channels [e, e + V)).
+template <typename T>
+struct MomentsOfTokens {  // T_0 = x - centre, T_1 = T_0^2, from x (B, H * W, C)
+  const T* x;
+  const T* centre;  // (B, C)
+  int64_t H, W, C, d;
+  void load2(int64_t h, int64_t b, int64_t y, int64_t j, int64_t e, Vec<T>& t0,
+             Vec<T>& t1) const {
+    Vec<T> c;
+    load<T>(t0, x + ((b * H + y) * W + j) * C + h * d + e);
+    load<T>(c, centre + b * C + h * d + e);
+    t0 -= c;
+    t1 = t0 * t0;
+  }
+};
+
+template <typename T>
+struct HeadMajorSlots {  // both slots of a head-major tensor (nh, 2, B, H, W, d)
+  const T* data;
+  int64_t B, H, W, d;
+  const T* at(int64_t h, int64_t s, int64_t b, int64_t y, int64_t j) const {
+    return data + ((((h * 2 + s) * B + b) * H + y) * W + j) * d;
+  }
+  void load2(int64_t h, int64_t b, int64_t y, int64_t j, int64_t e, Vec<T>& t0,
+             Vec<T>& t1) const {
+    load<T>(t0, at(h, 0, b, y, j) + e);
+    load<T>(t1, at(h, 1, b, y, j) + e);
+  }
+};
+
+// Y[h, s, b, y, i] = sum_j P_x[h, i, j] In_s[h, b, y, j] (P_x[h, j, i] with ``transpose``) over the
+// nonzero span of the row, for both slots; Y head-major.
+template <typename T, typename In>
+void row_product_impl(const T* P, const In& in, T* Y, int64_t nh, int64_t B, int64_t H,
+                      int64_t W, int64_t d, bool transpose) {
+  constexpr int64_t V = sizeof(Vec<T>) / sizeof(T);
+  const int64_t blocks = (W + kRows - 1) / kRows;
+  const HeadMajorSlots<T> out{Y, B, H, W, d};
+  // the spans and weights of every block of rows, shared by all rows of tokens
+  std::vector<std::pair<int64_t, int64_t>> spans(nh * blocks);
+  std::vector<std::vector<T>> weights(nh * blocks);
+  at::parallel_for(0, nh * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t i0 = (r % blocks) * kRows;
+      spans[r] = row_block(P + (r / blocks) * W * W, i0, std::min(kRows, W - i0), W, transpose,
+                           weights[r]);
+    }
+  });
+  at::parallel_for(0, nh * B * H * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t h = r / (B * H * blocks), b = r / (H * blocks) % B, y = r / blocks % H;
+      const int64_t block = h * blocks + r % blocks;
+      const int64_t i0 = (r % blocks) * kRows, rows = std::min(kRows, W - i0);
+      const auto [j0, j1] = spans[block];
+      const T* w = weights[block].data();
+      for (int64_t e = 0; e < d; e += 2 * V) {
+        const bool two = e + 2 * V <= d;  // two vectors per slot, or the last one
+        Vec<T> acc[kRows][4] = {};
+        for (int64_t j = j0; j < j1; ++j) {
+          Vec<T> a0, a1, b0, b1;
+          in.load2(h, b, y, j, e, a0, a1);
+          if (two) in.load2(h, b, y, j, e + V, b0, b1);
+          const T* wj = w + (j - j0) * kRows;
+#pragma GCC unroll 4
+          for (int64_t q = 0; q < kRows; ++q) {
+            acc[q][0] += wj[q] * a0;
+            acc[q][1] += wj[q] * a1;
+            if (two) {
+              acc[q][2] += wj[q] * b0;
+              acc[q][3] += wj[q] * b1;
+            }
+          }
+        }
+        for (int64_t q = 0; q < rows; ++q) {
+          T* o0 = const_cast<T*>(out.at(h, 0, b, y, i0 + q)) + e;
+          T* o1 = const_cast<T*>(out.at(h, 1, b, y, i0 + q)) + e;
+          store<T>(o0, acc[q][0]);
+          store<T>(o1, acc[q][1]);
+          if (two) {
+            store<T>(o0 + V, acc[q][2]);
+            store<T>(o1 + V, acc[q][3]);
+          }
+        }
+      }
+    }
+  });
+}
+
+// G[h, i, j] = sum_{b, y, s} A_s[h, b, y, i] . T_s(x)[b, y, j, head h] over the nonzero span of row
+// i of P_x[h], 0 elsewhere: the gradient of P_x for u = P_x T with dL/du = A (head-major).
+template <typename T>
+void row_outer_moments_impl(const T* P, const T* A, const T* x, const T* centre, T* G,
+                            int64_t nh, int64_t B, int64_t H, int64_t W, int64_t C, int64_t d) {
+  const MomentsOfTokens<T> in{x, centre, H, W, C, d};
+  constexpr int64_t V = sizeof(Vec<T>) / sizeof(T);
+  constexpr int64_t kCols = 5;
+  const int64_t blocks = (W + kRows - 1) / kRows;
+  const HeadMajorSlots<T> grad{A, B, H, W, d};
+  at::parallel_for(0, nh * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t h = r / blocks, i0 = (r % blocks) * kRows, rows = std::min(kRows, W - i0);
+      const T* p = P + h * W * W;
+      std::pair<int64_t, int64_t> span[kRows];
+      int64_t j0 = W, j1 = 0;
+      for (int64_t q = 0; q < rows; ++q) {
+        span[q] = nonzero_span(p, i0 + q, W, false);
+        if (span[q].first < span[q].second)
+          j0 = std::min(j0, span[q].first), j1 = std::max(j1, span[q].second);
+      }
+      T* g = G + (h * W + i0) * W;
+      std::fill(g, g + rows * W, T(0));
+      for (int64_t jb = j0; jb < j1; jb += kCols) {
+        Vec<T> acc[kRows][kCols] = {};
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t y = 0; y < H; ++y)
+            for (int64_t e = 0; e < d; e += V) {
+              Vec<T> a0[kRows], a1[kRows];
+#pragma GCC unroll 4
+              for (int64_t q = 0; q < kRows; ++q) {
+                const int64_t i = i0 + std::min(q, rows - 1);
+                load<T>(a0[q], grad.at(h, 0, b, y, i) + e);
+                load<T>(a1[q], grad.at(h, 1, b, y, i) + e);
+              }
+#pragma GCC unroll 5
+              for (int64_t jj = 0; jj < kCols; ++jj) {
+                Vec<T> t0, t1;
+                in.load2(h, b, y, std::min(jb + jj, j1 - 1), e, t0, t1);
+#pragma GCC unroll 4
+                for (int64_t q = 0; q < kRows; ++q) acc[q][jj] += a0[q] * t0 + a1[q] * t1;
+              }
+            }
+        for (int64_t q = 0; q < rows; ++q)
+          for (int64_t jj = 0; jj < kCols && jb + jj < j1; ++jj) {
+            const int64_t j = jb + jj;
+            if (j >= span[q].first && j < span[q].second) g[q * W + j] = lane_sum<T>(acc[q][jj]);
+          }
+      }
+    }
+  });
+}
+
+template <typename T>
+void row_moments_impl(const T* P, const T* x, const T* centre, T* Y, int64_t nh, int64_t B,
+                      int64_t H, int64_t W, int64_t C, int64_t d) {
+  row_product_impl<T>(P, MomentsOfTokens<T>{x, centre, H, W, C, d}, Y, nh, B, H, W, d, false);
+}
+
+template <typename T>
+void row_transposed_impl(const T* P, const T* A, T* Y, int64_t nh, int64_t B, int64_t H,
+                         int64_t W, int64_t d) {
+  row_product_impl<T>(P, HeadMajorSlots<T>{A, B, H, W, d}, Y, nh, B, H, W, d, true);
+}
