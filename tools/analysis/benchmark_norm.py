@@ -19,8 +19,9 @@ pass; the backward pass needs the transposed products of both gradients and the 
 and P_y^h, each with the same number of multiply-adds: 6 B C T (Hp + Wp) in all on the pooled
 Hp x Wp grid, T = Hp Wp. Divided by the device's peak matrix-product rate (a 1024^3 float32
 product, measured first), this is a lower bound on DTN's forward + backward time for any
-implementation that applies P^h as dense matrices, as learned coefficients require in general
-(element-wise work and memory traffic excluded).
+implementation that applies P^h as dense matrices (element-wise work and memory traffic
+excluded). DTN's CPU kernels skip the exact zeros of the band matrices P_x^h and P_y^h and can go
+below it; a head whose P^h spreads over a whole axis needs the dense products.
 
 Usage::
 

@@ -383,17 +383,27 @@ inline std::pair<int64_t, int64_t> nonzero_span(const T* p, int64_t i, int64_t L
   return {j0, j1};
 }
 
+// The spans of rows [i0, i0 + rows) of p (of its columns with ``transpose``), into ``span``,
+// and their union [j0, j1).
+template <typename T>
+inline std::pair<int64_t, int64_t> row_spans(const T* p, int64_t i0, int64_t rows, int64_t L,
+                                             bool transpose, std::pair<int64_t, int64_t>* span) {
+  int64_t j0 = L, j1 = 0;
+  for (int64_t q = 0; q < rows; ++q) {
+    span[q] = nonzero_span(p, i0 + q, L, transpose);
+    if (span[q].first < span[q].second)
+      j0 = std::min(j0, span[q].first), j1 = std::max(j1, span[q].second);
+  }
+  return {j0, std::max(j0, j1)};
+}
+
 // Rows [i0, i0 + rows) of p (transposed or not): the union [j0, j1) of their spans and their
 // weights there, w[(j - j0) * kRows + q] (0 for q >= rows).
 template <typename T>
 inline std::pair<int64_t, int64_t> row_block(const T* p, int64_t i0, int64_t rows, int64_t L,
                                              bool transpose, std::vector<T>& w) {
-  int64_t j0 = L, j1 = 0;
-  for (int64_t q = 0; q < rows; ++q) {
-    const auto [a, b] = nonzero_span(p, i0 + q, L, transpose);
-    if (a < b) j0 = std::min(j0, a), j1 = std::max(j1, b);
-  }
-  j1 = std::max(j0, j1);
+  std::pair<int64_t, int64_t> span[kRows];
+  const auto [j0, j1] = row_spans(p, i0, rows, L, transpose, span);
   w.assign((j1 - j0) * kRows, T(0));
   for (int64_t j = j0; j < j1; ++j)
     for (int64_t q = 0; q < rows; ++q)
@@ -458,14 +468,8 @@ void band_outer_impl(const T* P, const T* A, const T* X, T* G, int64_t n, int64_
   at::parallel_for(0, n * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t k = r / blocks, i0 = (r % blocks) * kRows, rows = std::min(kRows, L - i0);
-      const T* p = P + (k / group) * L * L;
       std::pair<int64_t, int64_t> span[kRows];
-      int64_t j0 = L, j1 = 0;
-      for (int64_t q = 0; q < rows; ++q) {
-        span[q] = nonzero_span(p, i0 + q, L, false);
-        if (span[q].first < span[q].second)
-          j0 = std::min(j0, span[q].first), j1 = std::max(j1, span[q].second);
-      }
+      const auto [j0, j1] = row_spans(P + (k / group) * L * L, i0, rows, L, false, span);
       const T* a[kRows];
       for (int64_t q = 0; q < kRows; ++q) a[q] = A + (k * L + i0 + std::min(q, rows - 1)) * N;
       const T* x = X + k * L * N;
@@ -490,7 +494,7 @@ void band_outer_impl(const T* P, const T* A, const T* X, T* G, int64_t n, int64_
         for (int64_t q = 0; q < rows; ++q)
           for (int64_t jj = 0; jj < kCols && jb + jj < j1; ++jj) {
             const int64_t j = jb + jj;
-            if (j < span[q].first || j >= span[q].second) continue;
+            if (j < span[q].first || j >= span[q].second) continue;  // stays 0
             T total = lane_sum<T>(acc[q][jj]);
             for (int64_t c = full; c < N; ++c) total += a[q][c] * xs[jj][c];
             g[q * L + j] = total;
@@ -605,14 +609,8 @@ void row_outer_moments_impl(const T* P, const T* A, const T* x, const T* centre,
   at::parallel_for(0, nh * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t h = r / blocks, i0 = (r % blocks) * kRows, rows = std::min(kRows, W - i0);
-      const T* p = P + h * W * W;
       std::pair<int64_t, int64_t> span[kRows];
-      int64_t j0 = W, j1 = 0;
-      for (int64_t q = 0; q < rows; ++q) {
-        span[q] = nonzero_span(p, i0 + q, W, false);
-        if (span[q].first < span[q].second)
-          j0 = std::min(j0, span[q].first), j1 = std::max(j1, span[q].second);
-      }
+      const auto [j0, j1] = row_spans(P + h * W * W, i0, rows, W, false, span);
       T* g = G + (h * W + i0) * W;
       std::fill(g, g + rows * W, T(0));
       for (int64_t jb = j0; jb < j1; jb += kCols) {
