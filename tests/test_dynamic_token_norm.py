@@ -61,6 +61,18 @@ def dense_dtn(x, hw, norm, P=None):
     return y, stats
 
 
+def assert_equals_dense_reference(norm, x, hw, g):
+    """Float64 output and gradients of (y * g).sum() for x and all parameters equal
+    :func:`dense_dtn`'s."""
+    y = norm(x, hw)
+    ref = dense_dtn(x, hw, norm)[0]
+    assert torch.allclose(y, ref, atol=1e-10)
+    grads = torch.autograd.grad((y * g).sum(), [x, *norm.parameters()])
+    ref_grads = torch.autograd.grad((ref * g).sum(), [x, *norm.parameters()])
+    for a, b in zip(grads, ref_grads):
+        assert torch.allclose(a, b, atol=1e-9, rtol=1e-9)
+
+
 def randomize(norm, seed=0):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -381,13 +393,7 @@ def test_chunked_passes_equal_dense_reference(monkeypatch, pool, hw, chunk):
     norm = randomize(DynamicTokenNorm(12, 3, pool_size=pool)).double()
     x = tokens(3, H, W, 12).requires_grad_()
     g = torch.randn(3, H * W, 12, dtype=torch.float64)
-    y = norm(x, hw)
-    ref = dense_dtn(x, hw, norm)[0]
-    assert torch.allclose(y, ref, atol=1e-10)
-    grads = torch.autograd.grad((y * g).sum(), [x, *norm.parameters()])
-    ref_grads = torch.autograd.grad((ref * g).sum(), [x, *norm.parameters()])
-    for a, b in zip(grads, ref_grads):
-        assert torch.allclose(a, b, atol=1e-9)
+    assert_equals_dense_reference(norm, x, hw, g)
 
 
 @pytest.mark.parametrize('pool,hw', [(1, (12, 60)), (1, (60, 12)), (2, (21, 117)), (1, (56, 9))])
@@ -418,13 +424,7 @@ def test_banded_positional_products_equal_dense_reference(dtn_implementation, po
     on_tokens = native and pool == 1 and C == 32 and a1 != -0.1 and W > H
     assert _on_tokens(x, grid, _Band(p_x, native=native)) == on_tokens
     g = torch.randn(2, H * W, C, dtype=torch.float64)
-    y = norm(x, hw)
-    ref = dense_dtn(x, hw, norm)[0]
-    assert torch.allclose(y, ref, atol=1e-10)
-    grads = torch.autograd.grad((y * g).sum(), [x, *norm.parameters()])
-    ref_grads = torch.autograd.grad((ref * g).sum(), [x, *norm.parameters()])
-    for a, b in zip(grads, ref_grads):
-        assert torch.allclose(a, b, atol=1e-9, rtol=1e-9)
+    assert_equals_dense_reference(norm, x, hw, g)
 
 
 def _forward_backward(norms, x, hw, g):
@@ -436,22 +436,28 @@ def _forward_backward(norms, x, hw, g):
     return [y.detach(), *torch.autograd.grad((y * g).sum(), [x, *params])]
 
 
-@pytest.mark.parametrize('pool,hw,B', [(1, (9, 13), 2), (2, (10, 14), 1), (2, (9, 13), 2),
-                                       (4, (17, 22), 2), (3, (7, 8), 1)])
-def test_cpu_kernels_equal_pytorch_implementation(monkeypatch, dtn_implementation, pool, hw, B):
-    """Float32, two stacked layers (the second reuses the first's scratch memory while the first
-    keeps its saved tensors): both implementations agree to float32 rounding."""
+def assert_implementations_agree(monkeypatch, norms, x, hw, g):
+    """The CPU kernels and the PyTorch implementation give the same outputs and gradients of the
+    stacked ``norms`` to float32 rounding."""
     import mmdtn.models.layers.dynamic_token_norm as dtn_module
-    torch.manual_seed(0)
-    norms = [randomize(DynamicTokenNorm(24, 4, pool_size=pool), seed=i) for i in range(2)]
-    x = (torch.randn(B, hw[0] * hw[1], 24) * 3 + 1).requires_grad_()
-    g = torch.randn(B, hw[0] * hw[1], 24)
     results = {}
     for use in (True, False):
         monkeypatch.setattr(dtn_module, 'USE_CPU_KERNELS', use)
         results[use] = _forward_backward(norms, x, hw, g)
     for a, b in zip(results[True], results[False]):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (a - b).abs().max()
+
+
+@pytest.mark.parametrize('pool,hw,B', [(1, (9, 13), 2), (2, (10, 14), 1), (2, (9, 13), 2),
+                                       (4, (17, 22), 2), (3, (7, 8), 1)])
+def test_cpu_kernels_equal_pytorch_implementation(monkeypatch, dtn_implementation, pool, hw, B):
+    """Float32, two stacked layers (the second reuses the first's scratch memory while the first
+    keeps its saved tensors): both implementations agree to float32 rounding."""
+    torch.manual_seed(0)
+    norms = [randomize(DynamicTokenNorm(24, 4, pool_size=pool), seed=i) for i in range(2)]
+    x = (torch.randn(B, hw[0] * hw[1], 24) * 3 + 1).requires_grad_()
+    g = torch.randn(B, hw[0] * hw[1], 24)
+    assert_implementations_agree(monkeypatch, norms, x, hw, g)
 
 
 def test_products_on_the_tokens_equal_pytorch_implementation(monkeypatch):
@@ -471,12 +477,7 @@ def test_products_on_the_tokens_equal_pytorch_implementation(monkeypatch):
     p_x = norms[0].axis_matrices(hw)[1]
     monkeypatch.setattr(dtn_module, 'USE_CPU_KERNELS', True)
     assert _on_tokens(x, _Grid(x, *hw, 1, 4), _Band(p_x, native=True))
-    results = {}
-    for use in (True, False):
-        monkeypatch.setattr(dtn_module, 'USE_CPU_KERNELS', use)
-        results[use] = _forward_backward(norms, x, hw, g)
-    for a, b in zip(results[True], results[False]):
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (a - b).abs().max()
+    assert_implementations_agree(monkeypatch, norms, x, hw, g)
 
 
 def test_backward_twice_with_retained_graph_gives_same_gradients():

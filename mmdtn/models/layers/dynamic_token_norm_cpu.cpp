@@ -216,7 +216,8 @@ void check_band_operands(const torch::Tensor& p, const torch::Tensor& x, int64_t
 void band_matmul(const torch::Tensor& p, const torch::Tensor& x, torch::Tensor& out,
                  int64_t group, bool transpose) {
   check_band_operands(p, x, group);
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(),
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() &&
+                  out.scalar_type() == x.scalar_type(),
               "out: expected a contiguous tensor of X's shape and dtype");
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_band_matmul", [&] {
     KERNEL(band_matmul_impl<scalar_t>(p.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(),
