@@ -548,7 +548,10 @@ def _positional_products(T, p_y, p_x, variance=True, empty=None, u=None, u_out=N
         taken as given, or written into ``u_out`` if given. ``bands``: the :class:`_Band` of
         p_y and p_x (default: found here).
     """
-    band_y, band_x = bands or (_Band(p_y, _native(T)), _Band(p_x, _native(T)))
+    if bands is None:
+        native = _native(T)
+        bands = _Band(p_y, native), _Band(p_x, native)
+    band_y, band_x = bands
     if u is None:
         u = _row_products(T, p_x, band_x, empty, u_out)
     nh, k, B, Hp, Wp, d = u.shape
@@ -574,10 +577,10 @@ def _row_products(T, p_x, band_x, empty=None, out=None):
 
 
 def _on_tokens(x, grid, band_x):
-    """Whether the products with P_x run on the tokens themselves (CPU kernels, no pooling, a
-    banded P_x, whole vectors per head): the moments T are then never built nor transposed."""
-    return (band_x.banded and grid.s == 1 and _native(x)
-            and grid.d % (64 // x.element_size()) == 0)
+    """Whether the products with P_x run on the tokens themselves (no pooling, a banded P_x, which
+    implies the CPU kernels, whole vectors per head): the moments T are then never built nor
+    transposed."""
+    return band_x.banded and grid.s == 1 and grid.d % (64 // x.element_size()) == 0
 
 
 def _token_row_products(x, p_x, centre, grid, empty):

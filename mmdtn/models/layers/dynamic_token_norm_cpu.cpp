@@ -58,6 +58,11 @@ void check_cell_view(const torch::Tensor& t, const Grid& g, const char* name) {
               name, ": expected a (B, Hp, Wp, nh, d) view with a contiguous last dimension");
 }
 
+void check_centre(const torch::Tensor& centre, const Grid& g) {
+  TORCH_CHECK(centre.is_contiguous() && centre.numel() == g.B * g.C,
+              "centre: expected a contiguous (B, 1, 1, C) tensor");
+}
+
 void check_inputs(const torch::Tensor& x, const Grid& g) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.dim() == 3,
               "x: expected a contiguous CPU tensor (B, N, C)");
@@ -127,8 +132,8 @@ torch::Tensor second_moment(const torch::Tensor& x, const torch::Tensor& centre,
                             int64_t W, int64_t s) {
   const Grid g(x, H, W, s, 1);
   check_inputs(x, g);
-  TORCH_CHECK(s > 1 && centre.is_contiguous() && centre.numel() == g.B * g.C,
-              "second_moment: expected pooling and a contiguous centre (B, 1, 1, C)");
+  TORCH_CHECK(s > 1, "second_moment: expected pooling");
+  check_centre(centre, g);
   auto second = x.new_empty({g.B, g.Hp, g.Wp, g.C});
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_second_moment", [&] {
     KERNEL(second_moment_impl<scalar_t>(x, centre, g, second));
@@ -261,7 +266,7 @@ void row_moments(const torch::Tensor& p, const torch::Tensor& x, const torch::Te
   const Grid g(x, H, W, 1, num_heads);
   check_row_product(p, x, g);
   check_head_major(out, g, "out");
-  TORCH_CHECK(centre.is_contiguous() && centre.numel() == g.B * g.C, "centre: expected (B, C)");
+  check_centre(centre, g);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_row_moments", [&] {
     using T = scalar_t;
     KERNEL(row_moments_impl<T>(p.data_ptr<T>(), x.data_ptr<T>(), centre.data_ptr<T>(),
@@ -290,7 +295,7 @@ torch::Tensor row_outer_moments(const torch::Tensor& p, const torch::Tensor& x,
   const Grid g(x, H, W, 1, num_heads);
   check_row_product(p, x, g);
   check_head_major(a, g, "A");
-  TORCH_CHECK(centre.is_contiguous() && centre.numel() == g.B * g.C, "centre: expected (B, C)");
+  check_centre(centre, g);
   auto grad = x.new_empty({g.nh, W, W});
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_row_outer_moments", [&] {
     using T = scalar_t;
