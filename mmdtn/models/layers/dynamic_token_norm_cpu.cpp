@@ -179,15 +179,16 @@ std::vector<torch::Tensor> backward(const torch::Tensor& g_y, const torch::Tenso
   auto tok1 = x.new_empty({g.B, H * W, 1});
   auto tok2 = x.new_empty({g.B, H * W, 1});
   auto sums = x.new_empty({g.units(), 6, g.C});
+  TORCH_CHECK(raw_second == (s == 1),
+              "backward: the second moment is raw without pooling, the variance with pooling");
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_backward", [&] {
-    if (raw_second)
-      KERNEL(backward_impl<scalar_t, true>(g_y, x, mean_ln, var_ln, first, second, centre,
-                                           ratios, weight, eps, g, dx, tok1, tok2, sums, dm_first,
-                                           dm_second));
-    else
-      KERNEL(backward_impl<scalar_t, false>(g_y, x, mean_ln, var_ln, first, second, centre,
+    if (s == 1)
+      KERNEL(backward_tokens_impl<scalar_t>(g_y, x, mean_ln, var_ln, first, second, centre,
                                             ratios, weight, eps, g, dx, tok1, tok2, sums,
                                             dm_first, dm_second));
+    else
+      KERNEL(backward_impl<scalar_t>(g_y, x, mean_ln, var_ln, first, second, centre, ratios,
+                                     weight, eps, g, dx, tok1, tok2, sums, dm_first, dm_second));
   });
   return {dx, tok1, tok2, sums.sum(0)};
 }

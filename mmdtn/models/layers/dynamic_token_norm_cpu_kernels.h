@@ -158,8 +158,9 @@ inline TokenGrad<T> token_grad(T x, T g, T w, T mu, T var, T lam_m, T lam_v, T c
 // (xhat g, g, mu_ln D1, var_ln D2, mu_it D1, var_it D2); and dL/dm of every cell of the unit:
 // dL/dm_second = -(1 - lam_v) / 2 sum D2 [var_it > 0] and
 // dL/dm_first = -(1 - lam_m) sum D1 - 2 m_first dL/dm_second.
-// Tokens of one cell are taken in pairs, which halves the updates of the sums.
-template <typename T, bool RAW>
+// Tokens of one cell are taken in pairs, which halves the updates of the sums. With pooling only
+// (``second`` holds var_it); backward_tokens_impl serves the tokens without pooling.
+template <typename T>
 void backward_impl(const torch::Tensor& g_y, const torch::Tensor& x, const torch::Tensor& mean_ln,
                    const torch::Tensor& var_ln, const torch::Tensor& first,
                    const torch::Tensor& second, const torch::Tensor& centre,
@@ -202,7 +203,7 @@ void backward_impl(const torch::Tensor& g_y, const torch::Tensor& x, const torch
           for (int64_t k = 0; k < g.d; ++k) {
             const int64_t c = h * g.d + k;
             cell_mean[cj * C + c] = kap_m[c] * (fh[k] + pcen[b * C + c]);
-            cell_var[cj * C + c] = kap_v[c] * inter_token_variance<T, RAW>(fh[k], qh[k]) + e;
+            cell_var[cj * C + c] = kap_v[c] * qh[k] + e;
           }
         }
       }
@@ -279,7 +280,7 @@ void backward_impl(const torch::Tensor& g_y, const torch::Tensor& x, const torch
 #pragma omp simd
           for (int64_t k = 0; k < g.d; ++k) {
             const int64_t c = h * g.d + k;
-            const T var_it = inter_token_variance<T, RAW>(fh[k], qh[k]);
+            const T var_it = qh[k];
             const T sum_d1 = cell_d1[cj * C + c], sum_d2 = cell_d2[cj * C + c];
             s_mit[c] += (fh[k] + pcen[b * C + c]) * sum_d1;
             s_vit[c] += var_it * sum_d2;
@@ -287,6 +288,135 @@ void backward_impl(const torch::Tensor& g_y, const torch::Tensor& x, const torch
             oq[k] = dq;
             of[k] = -kap_m[c] * sum_d1 - T(2) * fh[k] * dq;
           }
+        }
+      }
+    }
+  });
+}
+
+// The backward terms of one token and channel without pooling, where the token is its own cell
+// and ``second`` is the raw second moment: those of token_grad, and the token's dL/dm
+// (df = dL/dm_first, dq = dL/dm_second) and var_it.
+template <typename T>
+struct OwnCellGrad {
+  T d1, d2, xg, var_it, df, dq;
+};
+
+template <typename T>
+inline OwnCellGrad<T> own_cell_grad(T x, T g, T w, T mu, T var, T lam_m, T kap_m, T lam_v,
+                                    T kap_v, T centre, T first, T second, T e) {
+  const T var_it = inter_token_variance<T, true>(first, second);
+  const auto r = token_grad(x, g, w, mu, var, lam_m, lam_v, kap_m * (first + centre),
+                            kap_v * var_it + e);
+  const T dq = T(var_it > T(0)) * T(-0.5) * kap_v * r.d2;  // branch-free
+  return {r.d1, r.d2, r.xg, var_it, -kap_m * r.d1 - T(2) * first * dq, dq};
+}
+
+// backward_impl without pooling, in one pass: every token is a cell of its own, so its dL/dm is
+// written as soon as its gradient terms are known, without per-cell sums. Units are token rows;
+// tokens are taken in pairs, which halves the updates of the per-unit sums.
+template <typename T>
+void backward_tokens_impl(const torch::Tensor& g_y, const torch::Tensor& x,
+                          const torch::Tensor& mean_ln, const torch::Tensor& var_ln,
+                          const torch::Tensor& first, const torch::Tensor& second,
+                          const torch::Tensor& centre, const torch::Tensor& ratios,
+                          const torch::Tensor& weight, double eps, const Grid& g,
+                          torch::Tensor& dx, torch::Tensor& tok1, torch::Tensor& tok2,
+                          torch::Tensor& sums, const torch::Tensor& dm_first,
+                          const torch::Tensor& dm_second) {
+  const T* pg = g_y.data_ptr<T>();
+  const T* px = x.data_ptr<T>();
+  const T* pmu = mean_ln.data_ptr<T>();
+  const T* pvar = var_ln.data_ptr<T>();
+  const T* pcen = centre.data_ptr<T>();
+  const auto [lam_m, kap_m, lam_v, kap_v] = ratio_rows<T>(ratios, g.C);
+  const T* pw = weight.data_ptr<T>();
+  T* pdx = dx.data_ptr<T>();
+  T* pt1 = tok1.data_ptr<T>();
+  T* pt2 = tok2.data_ptr<T>();
+  T* psum = sums.data_ptr<T>();
+  const CellView<T> f(first), q(second), dmf(dm_first), dmq(dm_second);
+  const T e = static_cast<T>(eps);
+  const int64_t C = g.C, d = g.d;
+  at::parallel_for(0, g.units(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t b = u / g.H, i = u % g.H;
+      const T* cen = pcen + b * C;
+      T* s_xg = psum + u * 6 * C;
+      T *s_g = s_xg + C, *s_mu = s_g + C, *s_var = s_mu + C, *s_mit = s_var + C,
+        *s_vit = s_mit + C;
+      std::fill(s_xg, s_xg + 6 * C, T(0));
+      for (int64_t j = 0; j < g.W;) {
+        const int64_t t = (b * g.H + i) * g.W + j;
+        const T *x0 = px + t * C, *g0 = pg + t * C;
+        T* dx0 = pdx + t * C;
+        const T mu0 = pmu[t], var0 = pvar[t];
+        if (j + 1 < g.W) {  // a pair of tokens
+          const T *x1 = x0 + C, *g1 = g0 + C;
+          T* dx1 = dx0 + C;
+          const T mu1 = pmu[t + 1], var1 = pvar[t + 1];
+          T a10 = 0, a11 = 0, a20 = 0, a21 = 0;
+          for (int64_t h = 0; h < g.nh; ++h) {
+            const T *f0 = f.head(b, i, j, h), *f1 = f.head(b, i, j + 1, h);
+            const T *q0 = q.head(b, i, j, h), *q1 = q.head(b, i, j + 1, h);
+            T *of0 = dmf.head(b, i, j, h), *of1 = dmf.head(b, i, j + 1, h);
+            T *oq0 = dmq.head(b, i, j, h), *oq1 = dmq.head(b, i, j + 1, h);
+#pragma omp simd reduction(+ : a10, a11, a20, a21)
+            for (int64_t k = 0; k < d; ++k) {
+              const int64_t c = h * d + k;
+              const auto r0 = own_cell_grad(x0[c], g0[c], pw[c], mu0, var0, lam_m[c], kap_m[c],
+                                            lam_v[c], kap_v[c], cen[c], f0[k], q0[k], e);
+              const auto r1 = own_cell_grad(x1[c], g1[c], pw[c], mu1, var1, lam_m[c], kap_m[c],
+                                            lam_v[c], kap_v[c], cen[c], f1[k], q1[k], e);
+              dx0[c] = r0.d1;
+              dx1[c] = r1.d1;
+              of0[k] = r0.df;
+              of1[k] = r1.df;
+              oq0[k] = r0.dq;
+              oq1[k] = r1.dq;
+              a10 += r0.d1 * lam_m[c];
+              a11 += r1.d1 * lam_m[c];
+              a20 += r0.d2 * lam_v[c];
+              a21 += r1.d2 * lam_v[c];
+              s_xg[c] += r0.xg + r1.xg;
+              s_g[c] += g0[c] + g1[c];
+              s_mu[c] += mu0 * r0.d1 + mu1 * r1.d1;
+              s_var[c] += var0 * r0.d2 + var1 * r1.d2;
+              s_mit[c] += (f0[k] + cen[c]) * r0.d1 + (f1[k] + cen[c]) * r1.d1;
+              s_vit[c] += r0.var_it * r0.d2 + r1.var_it * r1.d2;
+            }
+          }
+          pt1[t] = a10;
+          pt1[t + 1] = a11;
+          pt2[t] = a20;
+          pt2[t + 1] = a21;
+          j += 2;
+        } else {
+          T a1 = 0, a2 = 0;
+          for (int64_t h = 0; h < g.nh; ++h) {
+            const T *f0 = f.head(b, i, j, h), *q0 = q.head(b, i, j, h);
+            T *of0 = dmf.head(b, i, j, h), *oq0 = dmq.head(b, i, j, h);
+#pragma omp simd reduction(+ : a1, a2)
+            for (int64_t k = 0; k < d; ++k) {
+              const int64_t c = h * d + k;
+              const auto r = own_cell_grad(x0[c], g0[c], pw[c], mu0, var0, lam_m[c], kap_m[c],
+                                           lam_v[c], kap_v[c], cen[c], f0[k], q0[k], e);
+              dx0[c] = r.d1;
+              of0[k] = r.df;
+              oq0[k] = r.dq;
+              a1 += r.d1 * lam_m[c];
+              a2 += r.d2 * lam_v[c];
+              s_xg[c] += r.xg;
+              s_g[c] += g0[c];
+              s_mu[c] += mu0 * r.d1;
+              s_var[c] += var0 * r.d2;
+              s_mit[c] += (f0[k] + cen[c]) * r.d1;
+              s_vit[c] += r.var_it * r.d2;
+            }
+          }
+          pt1[t] = a1;
+          pt2[t] = a2;
+          j += 1;
         }
       }
     }
