@@ -313,8 +313,9 @@ inline OwnCellGrad<T> own_cell_grad(T x, T g, T w, T mu, T var, T lam_m, T kap_m
 }
 
 // backward_impl without pooling, in one pass: every token is a cell of its own, so its dL/dm is
-// written as soon as its gradient terms are known, without per-cell sums. Units are token rows;
-// tokens are taken in pairs, which halves the updates of the per-unit sums.
+// written as soon as its gradient terms are known, without per-cell sums. Units are token rows,
+// taken head by head: the head-major dL/dm and m of a head's row are contiguous, which keeps the
+// number of memory streams small however many heads there are.
 template <typename T>
 void backward_tokens_impl(const torch::Tensor& g_y, const torch::Tensor& x,
                           const torch::Tensor& mean_ln, const torch::Tensor& var_ln,
@@ -337,86 +338,50 @@ void backward_tokens_impl(const torch::Tensor& g_y, const torch::Tensor& x,
   T* psum = sums.data_ptr<T>();
   const CellView<T> f(first), q(second), dmf(dm_first), dmq(dm_second);
   const T e = static_cast<T>(eps);
-  const int64_t C = g.C, d = g.d;
+  const int64_t C = g.C, d = g.d, W = g.W;
   at::parallel_for(0, g.units(), 1, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const int64_t b = u / g.H, i = u % g.H;
       const T* cen = pcen + b * C;
+      T* a1 = pt1 + u * W;  // the row's tokens (b, i, :)
+      T* a2 = pt2 + u * W;
+      std::fill(a1, a1 + W, T(0));
+      std::fill(a2, a2 + W, T(0));
       T* s_xg = psum + u * 6 * C;
-      T *s_g = s_xg + C, *s_mu = s_g + C, *s_var = s_mu + C, *s_mit = s_var + C,
-        *s_vit = s_mit + C;
       std::fill(s_xg, s_xg + 6 * C, T(0));
-      for (int64_t j = 0; j < g.W;) {
-        const int64_t t = (b * g.H + i) * g.W + j;
-        const T *x0 = px + t * C, *g0 = pg + t * C;
-        T* dx0 = pdx + t * C;
-        const T mu0 = pmu[t], var0 = pvar[t];
-        if (j + 1 < g.W) {  // a pair of tokens
-          const T *x1 = x0 + C, *g1 = g0 + C;
-          T* dx1 = dx0 + C;
-          const T mu1 = pmu[t + 1], var1 = pvar[t + 1];
-          T a10 = 0, a11 = 0, a20 = 0, a21 = 0;
-          for (int64_t h = 0; h < g.nh; ++h) {
-            const T *f0 = f.head(b, i, j, h), *f1 = f.head(b, i, j + 1, h);
-            const T *q0 = q.head(b, i, j, h), *q1 = q.head(b, i, j + 1, h);
-            T *of0 = dmf.head(b, i, j, h), *of1 = dmf.head(b, i, j + 1, h);
-            T *oq0 = dmq.head(b, i, j, h), *oq1 = dmq.head(b, i, j + 1, h);
-#pragma omp simd reduction(+ : a10, a11, a20, a21)
-            for (int64_t k = 0; k < d; ++k) {
-              const int64_t c = h * d + k;
-              const auto r0 = own_cell_grad(x0[c], g0[c], pw[c], mu0, var0, lam_m[c], kap_m[c],
-                                            lam_v[c], kap_v[c], cen[c], f0[k], q0[k], e);
-              const auto r1 = own_cell_grad(x1[c], g1[c], pw[c], mu1, var1, lam_m[c], kap_m[c],
-                                            lam_v[c], kap_v[c], cen[c], f1[k], q1[k], e);
-              dx0[c] = r0.d1;
-              dx1[c] = r1.d1;
-              of0[k] = r0.df;
-              of1[k] = r1.df;
-              oq0[k] = r0.dq;
-              oq1[k] = r1.dq;
-              a10 += r0.d1 * lam_m[c];
-              a11 += r1.d1 * lam_m[c];
-              a20 += r0.d2 * lam_v[c];
-              a21 += r1.d2 * lam_v[c];
-              s_xg[c] += r0.xg + r1.xg;
-              s_g[c] += g0[c] + g1[c];
-              s_mu[c] += mu0 * r0.d1 + mu1 * r1.d1;
-              s_var[c] += var0 * r0.d2 + var1 * r1.d2;
-              s_mit[c] += (f0[k] + cen[c]) * r0.d1 + (f1[k] + cen[c]) * r1.d1;
-              s_vit[c] += r0.var_it * r0.d2 + r1.var_it * r1.d2;
-            }
+      for (int64_t h = 0; h < g.nh; ++h) {
+        const int64_t c0 = h * d;
+        // this head's channels of the per-unit sums
+        T *s_xg_h = s_xg + c0, *s_g = s_xg_h + C, *s_mu = s_g + C, *s_var = s_mu + C,
+          *s_mit = s_var + C, *s_vit = s_mit + C;
+        const T *lm = lam_m + c0, *km = kap_m + c0, *lv = lam_v + c0, *kv = kap_v + c0;
+        const T *w = pw + c0, *ch = cen + c0;
+        for (int64_t j = 0; j < W; ++j) {
+          const int64_t t = u * W + j;
+          const T *xt = px + t * C + c0, *gt = pg + t * C + c0;
+          T* dxt = pdx + t * C + c0;
+          const T *fh = f.head(b, i, j, h), *qh = q.head(b, i, j, h);
+          T *of = dmf.head(b, i, j, h), *oq = dmq.head(b, i, j, h);
+          const T mu = pmu[t], var = pvar[t];
+          T sum1 = 0, sum2 = 0;
+#pragma omp simd reduction(+ : sum1, sum2)
+          for (int64_t k = 0; k < d; ++k) {
+            const auto r = own_cell_grad(xt[k], gt[k], w[k], mu, var, lm[k], km[k], lv[k], kv[k],
+                                         ch[k], fh[k], qh[k], e);
+            dxt[k] = r.d1;
+            of[k] = r.df;
+            oq[k] = r.dq;
+            sum1 += r.d1 * lm[k];
+            sum2 += r.d2 * lv[k];
+            s_xg_h[k] += r.xg;
+            s_g[k] += gt[k];
+            s_mu[k] += mu * r.d1;
+            s_var[k] += var * r.d2;
+            s_mit[k] += (fh[k] + ch[k]) * r.d1;
+            s_vit[k] += r.var_it * r.d2;
           }
-          pt1[t] = a10;
-          pt1[t + 1] = a11;
-          pt2[t] = a20;
-          pt2[t + 1] = a21;
-          j += 2;
-        } else {
-          T a1 = 0, a2 = 0;
-          for (int64_t h = 0; h < g.nh; ++h) {
-            const T *f0 = f.head(b, i, j, h), *q0 = q.head(b, i, j, h);
-            T *of0 = dmf.head(b, i, j, h), *oq0 = dmq.head(b, i, j, h);
-#pragma omp simd reduction(+ : a1, a2)
-            for (int64_t k = 0; k < d; ++k) {
-              const int64_t c = h * d + k;
-              const auto r = own_cell_grad(x0[c], g0[c], pw[c], mu0, var0, lam_m[c], kap_m[c],
-                                           lam_v[c], kap_v[c], cen[c], f0[k], q0[k], e);
-              dx0[c] = r.d1;
-              of0[k] = r.df;
-              oq0[k] = r.dq;
-              a1 += r.d1 * lam_m[c];
-              a2 += r.d2 * lam_v[c];
-              s_xg[c] += r.xg;
-              s_g[c] += g0[c];
-              s_mu[c] += mu0 * r.d1;
-              s_var[c] += var0 * r.d2;
-              s_mit[c] += (f0[k] + cen[c]) * r.d1;
-              s_vit[c] += r.var_it * r.d2;
-            }
-          }
-          pt1[t] = a1;
-          pt2[t] = a2;
-          j += 1;
+          a1[j] += sum1;
+          a2[j] += sum2;
         }
       }
     }
