@@ -376,3 +376,25 @@ def test_images_follow_the_config_normalisation_and_channel_order():
         x = to_tensor(red, cfg)
         assert x.shape == (1, 3, 2, 3)
         assert torch.allclose(x[0, 0], torch.full((2, 3), first))
+
+
+def test_benchmark_backbones_tool_prints_both_tables():
+    """The backbone benchmark end to end on a tiny input: FLOPs and parameters, then time (both
+    backbones alternating in one process) and memory (one process each)."""
+    import subprocess
+    import sys
+    proc = subprocess.run(
+        [sys.executable, osp.join(ROOT, 'tools', 'analysis', 'benchmark_backbones.py'),
+         '--models', 'pvtv2_b0', '--batches', '1', '--size', '64x96', '--flops-sizes', '64x64',
+         '--repeats', '2', '--iters', '1', '--threads', '1'],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    flops = next(line for line in lines if line.split()[:2] == ['pvtv2_b0', '64x64'])
+    assert re.search(r'\+\d+\.\d+%', flops)  # DTN's FLOPs above the stock backbone's
+    timed = next(line for line in lines if line.split()[:2] == ['pvtv2_b0', '1']).split()
+    t_ln, t_dtn, ratio, spread = float(timed[2]), float(timed[3]), timed[4], timed[5]
+    assert t_ln > 0 and t_dtn > 0 and ratio.endswith('x')
+    low, high = map(float, spread.split('-'))
+    assert low <= float(ratio[:-1]) <= high
+    assert float(timed[8][:-1]) > 0  # memory ratio

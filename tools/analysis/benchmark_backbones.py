@@ -8,11 +8,15 @@ Prints three tables:
    DTN backbone the analyzer's count of every replaced LayerNorm is swapped for DTN's own count
    (:func:`dtn_flops`, from the shapes each DTN layer sees in a forward pass), and Dual PatchNorm's
    patch statistics are added likewise;
-2. forward + backward time of one training iteration and its peak memory (CUDA: the allocator's
-   peak; CPU: growth of the process's peak resident set size), each measured in a fresh process,
-   the stock and the DTN backbone alternating so that both see the same machine load. A process
-   times ``--iters`` iterations after the warm-up and reports the fastest (a shared machine only
-   ever adds time); the tables show medians over ``--repeats`` processes.
+2. forward + backward time of one training iteration and peak memory.
+
+   - Time: a fresh process builds both backbones and alternates them iteration by iteration, so
+     that both see the same machine load; after the warm-up it times ``--iters`` iterations of
+     each and keeps the fastest of each (a shared machine only ever adds time). The table shows
+     medians over ``--repeats`` such processes, and the median and range of their DTN/LN ratios.
+   - Memory: the peak of one training iteration after the warm-up (CUDA: the allocator's peak;
+     CPU: growth of the process's peak resident set size), each backbone in a fresh process of
+     its own.
 
 Example::
 
@@ -42,6 +46,7 @@ MODELS = {
                  dict(embed_dims=64, num_layers=[3, 4, 6, 3])),
     'swin_t': ('SwinTransformer', 'SwinTransformerDTN', dict()),
 }
+VARIANTS = ('ln', 'dtn')  # the stock backbone and its DTN twin
 PAPER_FLOPS = {'pvt_tiny': (1.90, 2.05), 'swin_t': (4.51, 5.09)}  # DTN paper, Table 2 (224)
 
 
@@ -145,36 +150,55 @@ def _rss_bytes():
         return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
 
 
-def measure_worker(name, variant, batch, size, device, warmup, iters=1):
-    """Seconds (the fastest of ``iters`` timed iterations) and peak memory (bytes) of fwd+bwd
-    iterations, in this fresh process."""
+def timed_step(model, x, device):
+    """Seconds of one fwd+bwd iteration (gradients dropped afterwards)."""
+    sync(device)
+    t0 = time.perf_counter()
+    step(model, x)
+    sync(device)
+    seconds = time.perf_counter() - t0
+    model.zero_grad(set_to_none=True)
+    return seconds
+
+
+def memory_worker(name, variant, batch, size, device, warmup):
+    """Peak memory (bytes) of one fwd+bwd iteration after the warm-up, in this fresh process."""
     model = build(name, variant).to(device)
     model.train()
     x = torch.randn(batch, 3, *size, device=device)
     base = _rss_bytes()
     for _ in range(warmup):
-        step(model, x)
-        model.zero_grad(set_to_none=True)
+        timed_step(model, x, device)
     if device.type == 'cuda':
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    seconds = math.inf
-    for _ in range(iters):
-        sync(device)
-        t0 = time.perf_counter()
-        step(model, x)
-        sync(device)
-        seconds = min(seconds, time.perf_counter() - t0)
-        model.zero_grad(set_to_none=True)
+    timed_step(model, x, device)
     if device.type == 'cuda':
-        peak = torch.cuda.max_memory_allocated(device) - base
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    return {'seconds': seconds, 'peak': peak}
+        return {'peak': torch.cuda.max_memory_allocated(device) - base}
+    return {'peak': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base}
+
+
+def time_worker(name, batch, size, device, warmup, iters):
+    """Seconds per fwd+bwd iteration of the stock and the DTN backbone, both in this process and
+    alternating iteration by iteration: the fastest of ``iters`` timed iterations of each."""
+    models = {}
+    for variant in VARIANTS:
+        models[variant] = build(name, variant).to(device)
+        models[variant].train()
+    x = torch.randn(batch, 3, *size, device=device)
+    for _ in range(warmup):
+        for model in models.values():
+            timed_step(model, x, device)
+    seconds = dict.fromkeys(VARIANTS, math.inf)
+    for _ in range(iters):
+        for variant, model in models.items():
+            seconds[variant] = min(seconds[variant], timed_step(model, x, device))
+    return seconds
 
 
 def measure(name, variant, batch, size, device, warmup, iters):
-    """Run :func:`measure_worker` in a fresh process (so that peak memory is this run's)."""
+    """Run :func:`time_worker` (``variant='both'``) or :func:`memory_worker` in a fresh process
+    (so that peak memory is this run's)."""
     cmd = [sys.executable, os.path.abspath(__file__), '--worker', name, variant, str(batch),
            f'{size[0]}x{size[1]}', '--device', str(device), '--warmup', str(warmup),
            '--iters', str(iters),
@@ -208,10 +232,10 @@ def main():
     parser.add_argument('--batches', nargs='+', type=int, default=[1, 2])
     parser.add_argument('--flops-sizes', nargs='+', default=['224x224', '800x1344'])
     parser.add_argument('--repeats', type=int, default=3,
-                        help='fresh processes per model and batch (the tables show medians)')
+                        help='timing processes per model and batch (the table shows medians)')
     parser.add_argument('--iters', type=int, default=3,
-                        help='timed iterations per process after the warm-up; the fastest '
-                        'counts')
+                        help='timed iterations of each backbone per timing process after the '
+                        'warm-up; the fastest counts')
     parser.add_argument('--warmup', type=int, default=1,
                         help='untimed iterations before the measured one (first-touch memory '
                         'allocation and kernel set-up)')
@@ -231,8 +255,11 @@ def main():
     torch.manual_seed(0)
     if args.worker:
         name, variant, batch, size = args.worker
-        print(json.dumps(measure_worker(name, variant, int(batch), parse_size(size), device,
-                                        args.warmup, args.iters)))
+        batch, size = int(batch), parse_size(size)
+        result = (time_worker(name, batch, size, device, args.warmup, args.iters)
+                  if variant == 'both' else
+                  memory_worker(name, variant, batch, size, device, args.warmup))
+        print(json.dumps(result))
         return
 
     size = parse_size(args.size)
@@ -259,26 +286,26 @@ def main():
 
     if 'time' not in args.skip:
         rows = []
-        jobs = [(n, b, r) for n in args.models for b in args.batches
-                for r in range(args.repeats)]
+        cases = [(n, b) for n in args.models for b in args.batches]
+        jobs = [(n, b, v) for n, b in cases for v in ('both', ) * args.repeats + VARIANTS]
         results = {}
-        for name, batch, _ in tqdm(jobs, desc='fwd+bwd time and memory'):
-            for variant in ('ln', 'dtn'):  # alternating: both see the same machine load
-                results.setdefault((name, batch, variant), []).append(
-                    measure(name, variant, batch, size, device, args.warmup, args.iters))
-        for name in args.models:
-            for batch in args.batches:
-                t = {v: statistics.median(r['seconds'] for r in results[(name, batch, v)])
-                     for v in ('ln', 'dtn')}
-                m = {v: statistics.median(r['peak'] for r in results[(name, batch, v)])
-                     for v in ('ln', 'dtn')}
-                rows.append([name, batch, f'{t["ln"]:.2f}', f'{t["dtn"]:.2f}',
-                             f'{t["dtn"] / t["ln"]:.3f}x', f'{m["ln"] / 2**20:.0f}',
-                             f'{m["dtn"] / 2**20:.0f}', f'{m["dtn"] / m["ln"]:.3f}x'])
-        table(f'Forward+backward at {size[0]}x{size[1]}: time per iteration (s, median over '
-              f'{args.repeats} processes of the fastest of {args.iters} iterations) and peak '
-              f'memory (MiB above the built model)',
-              ['model', 'batch', 'time LN', 'time DTN', 'DTN/LN', 'mem LN', 'mem DTN',
+        for name, batch, variant in tqdm(jobs, desc='fwd+bwd time and memory'):
+            results.setdefault((name, batch, variant), []).append(
+                measure(name, variant, batch, size, device, args.warmup, args.iters))
+        for name, batch in cases:
+            timed = results[(name, batch, 'both')]
+            t = {v: statistics.median(r[v] for r in timed) for v in VARIANTS}
+            ratios = [r['dtn'] / r['ln'] for r in timed]
+            m = {v: results[(name, batch, v)][0]['peak'] for v in VARIANTS}
+            rows.append([name, batch, f'{t["ln"]:.2f}', f'{t["dtn"]:.2f}',
+                         f'{statistics.median(ratios):.3f}x',
+                         f'{min(ratios):.3f}-{max(ratios):.3f}', f'{m["ln"] / 2**20:.0f}',
+                         f'{m["dtn"] / 2**20:.0f}', f'{m["dtn"] / m["ln"]:.3f}x'])
+        table(f'Forward+backward at {size[0]}x{size[1]}: time per iteration (s; {args.repeats} '
+              f'processes, each alternating both backbones and keeping the fastest of '
+              f'{args.iters} iterations of each: medians, and the range of the DTN/LN ratios) '
+              f'and peak memory (MiB above the built model, one process per backbone)',
+              ['model', 'batch', 'time LN', 'time DTN', 'DTN/LN', 'range', 'mem LN', 'mem DTN',
                'DTN/LN'], rows)
 
 
