@@ -52,6 +52,14 @@ struct Grid {
   }
 };
 
+// The tensors of the backward passes over the tokens (backward_impl, backward_tokens_impl).
+struct BackwardTensors {
+  const torch::Tensor &g_y, &x, &mean_ln, &var_ln, &first, &second, &centre, &ratios, &weight;
+  double eps;
+  torch::Tensor &dx, &tok1, &tok2, &sums;
+  const torch::Tensor &dm_first, &dm_second;
+};
+
 void check_cell_view(const torch::Tensor& t, const Grid& g, const char* name) {
   TORCH_CHECK(t.dim() == 5 && t.size(0) == g.B && t.size(1) == g.Hp && t.size(2) == g.Wp &&
                   t.size(3) == g.nh && t.size(4) == g.d && t.stride(4) == 1,
@@ -181,14 +189,13 @@ std::vector<torch::Tensor> backward(const torch::Tensor& g_y, const torch::Tenso
   auto sums = x.new_empty({g.units(), 6, g.C});
   TORCH_CHECK(raw_second == (s == 1),
               "backward: the second moment is raw without pooling, the variance with pooling");
+  const BackwardTensors t{g_y, x, mean_ln, var_ln, first, second, centre, ratios, weight, eps,
+                          dx, tok1, tok2, sums, dm_first, dm_second};
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_backward", [&] {
     if (s == 1)
-      KERNEL(backward_tokens_impl<scalar_t>(g_y, x, mean_ln, var_ln, first, second, centre,
-                                            ratios, weight, eps, g, dx, tok1, tok2, sums,
-                                            dm_first, dm_second));
+      KERNEL(backward_tokens_impl<scalar_t>(t, g));
     else
-      KERNEL(backward_impl<scalar_t>(g_y, x, mean_ln, var_ln, first, second, centre, ratios,
-                                     weight, eps, g, dx, tok1, tok2, sums, dm_first, dm_second));
+      KERNEL(backward_impl<scalar_t>(t, g));
   });
   return {dx, tok1, tok2, sums.sum(0)};
 }

@@ -153,6 +153,23 @@ inline TokenGrad<T> token_grad(T x, T g, T w, T mu, T var, T lam_m, T lam_v, T c
   return {d1, d1 * xhat * rstd, xhat * g};
 }
 
+// The operands of the backward passes over the tokens (BackwardTensors), as raw pointers.
+template <typename T>
+struct BackwardPointers {
+  const T *g, *x, *mu, *var, *centre, *w;
+  std::array<const T*, 4> ratios;
+  T *dx, *tok1, *tok2, *sums;
+  CellView<T> f, q, dmf, dmq;
+  T eps;
+  explicit BackwardPointers(const BackwardTensors& t)
+      : g(t.g_y.data_ptr<T>()), x(t.x.data_ptr<T>()), mu(t.mean_ln.data_ptr<T>()),
+        var(t.var_ln.data_ptr<T>()), centre(t.centre.data_ptr<T>()), w(t.weight.data_ptr<T>()),
+        ratios(ratio_rows<T>(t.ratios, t.x.size(2))), dx(t.dx.data_ptr<T>()),
+        tok1(t.tok1.data_ptr<T>()), tok2(t.tok2.data_ptr<T>()), sums(t.sums.data_ptr<T>()),
+        f(t.first), q(t.second), dmf(t.dm_first), dmq(t.dm_second),
+        eps(static_cast<T>(t.eps)) {}
+};
+
 // Backward pass over the tokens: D1 (written into dx) and D2; their per-token channel sums with
 // the lambdas (tok1, tok2); per-unit channel sums for the gradients of weight, bias and the gates
 // (xhat g, g, mu_ln D1, var_ln D2, mu_it D1, var_it D2); and dL/dm of every cell of the unit:
@@ -161,26 +178,10 @@ inline TokenGrad<T> token_grad(T x, T g, T w, T mu, T var, T lam_m, T lam_v, T c
 // Tokens of one cell are taken in pairs, which halves the updates of the sums. With pooling only
 // (``second`` holds var_it); backward_tokens_impl serves the tokens without pooling.
 template <typename T>
-void backward_impl(const torch::Tensor& g_y, const torch::Tensor& x, const torch::Tensor& mean_ln,
-                   const torch::Tensor& var_ln, const torch::Tensor& first,
-                   const torch::Tensor& second, const torch::Tensor& centre,
-                   const torch::Tensor& ratios, const torch::Tensor& weight, double eps,
-                   const Grid& g, torch::Tensor& dx, torch::Tensor& tok1, torch::Tensor& tok2,
-                   torch::Tensor& sums, const torch::Tensor& dm_first,
-                   const torch::Tensor& dm_second) {
-  const T* pg = g_y.data_ptr<T>();
-  const T* px = x.data_ptr<T>();
-  const T* pmu = mean_ln.data_ptr<T>();
-  const T* pvar = var_ln.data_ptr<T>();
-  const T* pcen = centre.data_ptr<T>();
-  const auto [lam_m, kap_m, lam_v, kap_v] = ratio_rows<T>(ratios, g.C);
-  const T* pw = weight.data_ptr<T>();
-  T* pdx = dx.data_ptr<T>();
-  T* pt1 = tok1.data_ptr<T>();
-  T* pt2 = tok2.data_ptr<T>();
-  T* psum = sums.data_ptr<T>();
-  const CellView<T> f(first), q(second), dmf(dm_first), dmq(dm_second);
-  const T e = static_cast<T>(eps);
+void backward_impl(const BackwardTensors& t, const Grid& g) {
+  const BackwardPointers<T> o(t);
+  const auto [lam_m, kap_m, lam_v, kap_v] = o.ratios;
+  const T e = o.eps;
   const int64_t C = g.C;
   at::parallel_for(0, g.units(), 1, [&](int64_t begin, int64_t end) {
     // per cell of the unit: (1 - lam_m) mu_it, (1 - lam_v) var_it + eps, sum D1, sum D2
@@ -188,7 +189,7 @@ void backward_impl(const torch::Tensor& g_y, const torch::Tensor& x, const torch
         cell_d2(g.Wp * C);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t b = u / g.Hp, ci = u % g.Hp;
-      T* s_xg = psum + u * 6 * C;
+      T* s_xg = o.sums + u * 6 * C;
       T* s_g = s_xg + C;
       T* s_mu = s_g + C;
       T* s_var = s_mu + C;
@@ -197,12 +198,12 @@ void backward_impl(const torch::Tensor& g_y, const torch::Tensor& x, const torch
       std::fill(cell_d2.begin(), cell_d2.end(), T(0));
       for (int64_t cj = 0; cj < g.Wp; ++cj) {
         for (int64_t h = 0; h < g.nh; ++h) {
-          const T* fh = f.head(b, ci, cj, h);
-          const T* qh = q.head(b, ci, cj, h);
+          const T* fh = o.f.head(b, ci, cj, h);
+          const T* qh = o.q.head(b, ci, cj, h);
 #pragma omp simd
           for (int64_t k = 0; k < g.d; ++k) {
             const int64_t c = h * g.d + k;
-            cell_mean[cj * C + c] = kap_m[c] * (fh[k] + pcen[b * C + c]);
+            cell_mean[cj * C + c] = kap_m[c] * (fh[k] + o.centre[b * C + c]);
             cell_var[cj * C + c] = kap_v[c] * qh[k] + e;
           }
         }
@@ -214,20 +215,20 @@ void backward_impl(const torch::Tensor& g_y, const torch::Tensor& x, const torch
           const T* cv = cell_var.data() + cj * C;
           T* c1 = cell_d1.data() + cj * C;
           T* c2 = cell_d2.data() + cj * C;
-          const T* x0 = px + t * C;
-          const T* g0 = pg + t * C;
-          T* dx0 = pdx + t * C;
-          const T mu0 = pmu[t], var0 = pvar[t];
+          const T* x0 = o.x + t * C;
+          const T* g0 = o.g + t * C;
+          T* dx0 = o.dx + t * C;
+          const T mu0 = o.mu[t], var0 = o.var[t];
           if (j + 1 < g.end_col(cj)) {  // a pair of tokens of this cell
             const T *x1 = x0 + C, *g1 = g0 + C;
             T* dx1 = dx0 + C;
-            const T mu1 = pmu[t + 1], var1 = pvar[t + 1];
+            const T mu1 = o.mu[t + 1], var1 = o.var[t + 1];
             T a10 = 0, a11 = 0, a20 = 0, a21 = 0;
 #pragma omp simd reduction(+ : a10, a11, a20, a21)
             for (int64_t c = 0; c < C; ++c) {
-              const auto r0 = token_grad(x0[c], g0[c], pw[c], mu0, var0, lam_m[c], lam_v[c],
+              const auto r0 = token_grad(x0[c], g0[c], o.w[c], mu0, var0, lam_m[c], lam_v[c],
                                          cm[c], cv[c]);
-              const auto r1 = token_grad(x1[c], g1[c], pw[c], mu1, var1, lam_m[c], lam_v[c],
+              const auto r1 = token_grad(x1[c], g1[c], o.w[c], mu1, var1, lam_m[c], lam_v[c],
                                          cm[c], cv[c]);
               dx0[c] = r0.d1;
               dx1[c] = r1.d1;
@@ -242,16 +243,16 @@ void backward_impl(const torch::Tensor& g_y, const torch::Tensor& x, const torch
               c1[c] += r0.d1 + r1.d1;
               c2[c] += r0.d2 + r1.d2;
             }
-            pt1[t] = a10;
-            pt1[t + 1] = a11;
-            pt2[t] = a20;
-            pt2[t + 1] = a21;
+            o.tok1[t] = a10;
+            o.tok1[t + 1] = a11;
+            o.tok2[t] = a20;
+            o.tok2[t + 1] = a21;
             j += 2;
           } else {
             T a1 = 0, a2 = 0;
 #pragma omp simd reduction(+ : a1, a2)
             for (int64_t c = 0; c < C; ++c) {
-              const auto r = token_grad(x0[c], g0[c], pw[c], mu0, var0, lam_m[c], lam_v[c],
+              const auto r = token_grad(x0[c], g0[c], o.w[c], mu0, var0, lam_m[c], lam_v[c],
                                         cm[c], cv[c]);
               dx0[c] = r.d1;
               a1 += r.d1 * lam_m[c];
@@ -263,8 +264,8 @@ void backward_impl(const torch::Tensor& g_y, const torch::Tensor& x, const torch
               c1[c] += r.d1;
               c2[c] += r.d2;
             }
-            pt1[t] = a1;
-            pt2[t] = a2;
+            o.tok1[t] = a1;
+            o.tok2[t] = a2;
             j += 1;
           }
         }
@@ -273,16 +274,16 @@ void backward_impl(const torch::Tensor& g_y, const torch::Tensor& x, const torch
       T* s_vit = s_mit + C;
       for (int64_t cj = 0; cj < g.Wp; ++cj) {
         for (int64_t h = 0; h < g.nh; ++h) {
-          const T* fh = f.head(b, ci, cj, h);
-          const T* qh = q.head(b, ci, cj, h);
-          T* of = dmf.head(b, ci, cj, h);
-          T* oq = dmq.head(b, ci, cj, h);
+          const T* fh = o.f.head(b, ci, cj, h);
+          const T* qh = o.q.head(b, ci, cj, h);
+          T* of = o.dmf.head(b, ci, cj, h);
+          T* oq = o.dmq.head(b, ci, cj, h);
 #pragma omp simd
           for (int64_t k = 0; k < g.d; ++k) {
             const int64_t c = h * g.d + k;
             const T var_it = qh[k];
             const T sum_d1 = cell_d1[cj * C + c], sum_d2 = cell_d2[cj * C + c];
-            s_mit[c] += (fh[k] + pcen[b * C + c]) * sum_d1;
+            s_mit[c] += (fh[k] + o.centre[b * C + c]) * sum_d1;
             s_vit[c] += var_it * sum_d2;
             const T dq = T(var_it > T(0)) * T(-0.5) * kap_v[c] * sum_d2;  // branch-free
             oq[k] = dq;
@@ -317,37 +318,20 @@ inline OwnCellGrad<T> own_cell_grad(T x, T g, T w, T mu, T var, T lam_m, T kap_m
 // taken head by head: the head-major dL/dm and m of a head's row are contiguous, which keeps the
 // number of memory streams small however many heads there are.
 template <typename T>
-void backward_tokens_impl(const torch::Tensor& g_y, const torch::Tensor& x,
-                          const torch::Tensor& mean_ln, const torch::Tensor& var_ln,
-                          const torch::Tensor& first, const torch::Tensor& second,
-                          const torch::Tensor& centre, const torch::Tensor& ratios,
-                          const torch::Tensor& weight, double eps, const Grid& g,
-                          torch::Tensor& dx, torch::Tensor& tok1, torch::Tensor& tok2,
-                          torch::Tensor& sums, const torch::Tensor& dm_first,
-                          const torch::Tensor& dm_second) {
-  const T* pg = g_y.data_ptr<T>();
-  const T* px = x.data_ptr<T>();
-  const T* pmu = mean_ln.data_ptr<T>();
-  const T* pvar = var_ln.data_ptr<T>();
-  const T* pcen = centre.data_ptr<T>();
-  const auto [lam_m, kap_m, lam_v, kap_v] = ratio_rows<T>(ratios, g.C);
-  const T* pw = weight.data_ptr<T>();
-  T* pdx = dx.data_ptr<T>();
-  T* pt1 = tok1.data_ptr<T>();
-  T* pt2 = tok2.data_ptr<T>();
-  T* psum = sums.data_ptr<T>();
-  const CellView<T> f(first), q(second), dmf(dm_first), dmq(dm_second);
-  const T e = static_cast<T>(eps);
+void backward_tokens_impl(const BackwardTensors& t, const Grid& g) {
+  const BackwardPointers<T> o(t);
+  const auto [lam_m, kap_m, lam_v, kap_v] = o.ratios;
+  const T e = o.eps;
   const int64_t C = g.C, d = g.d, W = g.W;
   at::parallel_for(0, g.units(), 1, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const int64_t b = u / g.H, i = u % g.H;
-      const T* cen = pcen + b * C;
-      T* a1 = pt1 + u * W;  // the row's tokens (b, i, :)
-      T* a2 = pt2 + u * W;
+      const T* cen = o.centre + b * C;
+      T* a1 = o.tok1 + u * W;  // the row's tokens (b, i, :)
+      T* a2 = o.tok2 + u * W;
       std::fill(a1, a1 + W, T(0));
       std::fill(a2, a2 + W, T(0));
-      T* s_xg = psum + u * 6 * C;
+      T* s_xg = o.sums + u * 6 * C;
       std::fill(s_xg, s_xg + 6 * C, T(0));
       for (int64_t h = 0; h < g.nh; ++h) {
         const int64_t c0 = h * d;
@@ -355,14 +339,14 @@ void backward_tokens_impl(const torch::Tensor& g_y, const torch::Tensor& x,
         T *s_xg_h = s_xg + c0, *s_g = s_xg_h + C, *s_mu = s_g + C, *s_var = s_mu + C,
           *s_mit = s_var + C, *s_vit = s_mit + C;
         const T *lm = lam_m + c0, *km = kap_m + c0, *lv = lam_v + c0, *kv = kap_v + c0;
-        const T *w = pw + c0, *ch = cen + c0;
+        const T *w = o.w + c0, *ch = cen + c0;
         for (int64_t j = 0; j < W; ++j) {
           const int64_t t = u * W + j;
-          const T *xt = px + t * C + c0, *gt = pg + t * C + c0;
-          T* dxt = pdx + t * C + c0;
-          const T *fh = f.head(b, i, j, h), *qh = q.head(b, i, j, h);
-          T *of = dmf.head(b, i, j, h), *oq = dmq.head(b, i, j, h);
-          const T mu = pmu[t], var = pvar[t];
+          const T *xt = o.x + t * C + c0, *gt = o.g + t * C + c0;
+          T* dxt = o.dx + t * C + c0;
+          const T *fh = o.f.head(b, i, j, h), *qh = o.q.head(b, i, j, h);
+          T *of = o.dmf.head(b, i, j, h), *oq = o.dmq.head(b, i, j, h);
+          const T mu = o.mu[t], var = o.var[t];
           T sum1 = 0, sum2 = 0;
 #pragma omp simd reduction(+ : sum1, sum2)
           for (int64_t k = 0; k < d; ++k) {
