@@ -723,7 +723,7 @@ def _dtn_forward(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, keep)
     u, m = _positional_products(T, p_y, p_x, variance=grid.s > 1, empty=empty, u=u,
                                 u_out=u_out, bands=bands)
     if native:
-        y = _native_ops.forward(x, mean_ln, var_ln, *grid.cell_moments(m), grid.s == 1, centre,
+        y = _native_ops.forward(x, mean_ln, var_ln, *grid.cell_moments(m), centre,
                                 ratios.contiguous(), weight.contiguous(), bias.contiguous(), eps,
                                 grid.H, grid.W, grid.s, grid.nh)
     else:
@@ -778,7 +778,7 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
     # dL/dm_second = dL/dvar_it [var_it > 0], dL/dm_first = dL/dmu_it - 2 m_first dL/dm_second
     if native:
         dx, tok1, tok2, sums = _native_ops.backward(
-            g, x, mean_ln, var_ln, *grid.cell_moments(m), grid.s == 1, centre,
+            g, x, mean_ln, var_ln, *grid.cell_moments(m), centre,
             ratios.contiguous(), weight.contiguous(), eps, grid.H, grid.W, grid.s, nh,
             *grid.cell_moments(work))
     else:

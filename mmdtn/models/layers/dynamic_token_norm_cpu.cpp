@@ -151,7 +151,7 @@ torch::Tensor second_moment(const torch::Tensor& x, const torch::Tensor& centre,
 
 torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& mean_ln,
                       const torch::Tensor& var_ln, const torch::Tensor& first,
-                      const torch::Tensor& second, bool raw_second, const torch::Tensor& centre,
+                      const torch::Tensor& second, const torch::Tensor& centre,
                       const torch::Tensor& ratios, const torch::Tensor& weight,
                       const torch::Tensor& bias, double eps, int64_t H, int64_t W, int64_t s,
                       int64_t num_heads) {
@@ -160,8 +160,9 @@ torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& mean_ln,
   check_cell_view(first, g, "first");
   check_cell_view(second, g, "second");
   auto y = torch::empty_like(x);
+  // ``second``: without pooling the raw second moment P^h T_1, with pooling the variance
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_forward", [&] {
-    if (raw_second)
+    if (s == 1)
       KERNEL(forward_impl<scalar_t, true>(x, mean_ln, var_ln, first, second, centre, ratios,
                                           weight, bias, eps, g, y));
     else
@@ -174,7 +175,7 @@ torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& mean_ln,
 std::vector<torch::Tensor> backward(const torch::Tensor& g_y, const torch::Tensor& x,
                                     const torch::Tensor& mean_ln, const torch::Tensor& var_ln,
                                     const torch::Tensor& first, const torch::Tensor& second,
-                                    bool raw_second, const torch::Tensor& centre,
+                                    const torch::Tensor& centre,
                                     const torch::Tensor& ratios, const torch::Tensor& weight,
                                     double eps, int64_t H, int64_t W, int64_t s,
                                     int64_t num_heads, const torch::Tensor& dm_first,
@@ -187,11 +188,9 @@ std::vector<torch::Tensor> backward(const torch::Tensor& g_y, const torch::Tenso
   auto tok1 = x.new_empty({g.B, H * W, 1});
   auto tok2 = x.new_empty({g.B, H * W, 1});
   auto sums = x.new_empty({g.units(), 6, g.C});
-  TORCH_CHECK(raw_second == (s == 1),
-              "backward: the second moment is raw without pooling, the variance with pooling");
   const BackwardTensors t{g_y, x, mean_ln, var_ln, first, second, centre, ratios, weight, eps,
                           dx, tok1, tok2, sums, dm_first, dm_second};
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_backward", [&] {
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_backward", [&] {  // ``second`` as in forward
     if (s == 1)
       KERNEL(backward_tokens_impl<scalar_t>(t, g));
     else
