@@ -153,6 +153,19 @@ inline TokenGrad<T> token_grad(T x, T g, T w, T mu, T var, T lam_m, T lam_v, T c
   return {d1, d1 * xhat * rstd, xhat * g};
 }
 
+// dL/dm of one cell and channel from the sums of D1 and D2 over its tokens and its m_first and
+// var_it: {dL/dm_first, dL/dm_second} (see backward_impl).
+template <typename T>
+struct MomentGrad {
+  T df, dq;
+};
+
+template <typename T>
+inline MomentGrad<T> moment_grad(T first, T var_it, T kap_m, T kap_v, T sum_d1, T sum_d2) {
+  const T dq = T(var_it > T(0)) * T(-0.5) * kap_v * sum_d2;  // branch-free
+  return {-kap_m * sum_d1 - T(2) * first * dq, dq};
+}
+
 // The operands of the backward passes over the tokens (BackwardTensors), as raw pointers.
 template <typename T>
 struct BackwardPointers {
@@ -285,9 +298,9 @@ void backward_impl(const BackwardTensors& t, const Grid& g) {
             const T sum_d1 = cell_d1[cj * C + c], sum_d2 = cell_d2[cj * C + c];
             s_mit[c] += (fh[k] + o.centre[b * C + c]) * sum_d1;
             s_vit[c] += var_it * sum_d2;
-            const T dq = T(var_it > T(0)) * T(-0.5) * kap_v[c] * sum_d2;  // branch-free
-            oq[k] = dq;
-            of[k] = -kap_m[c] * sum_d1 - T(2) * fh[k] * dq;
+            const auto dm = moment_grad(fh[k], var_it, kap_m[c], kap_v[c], sum_d1, sum_d2);
+            oq[k] = dm.dq;
+            of[k] = dm.df;
           }
         }
       }
@@ -309,8 +322,8 @@ inline OwnCellGrad<T> own_cell_grad(T x, T g, T w, T mu, T var, T lam_m, T kap_m
   const T var_it = inter_token_variance<T, true>(first, second);
   const auto r = token_grad(x, g, w, mu, var, lam_m, lam_v, kap_m * (first + centre),
                             kap_v * var_it + e);
-  const T dq = T(var_it > T(0)) * T(-0.5) * kap_v * r.d2;  // branch-free
-  return {r.d1, r.d2, r.xg, var_it, -kap_m * r.d1 - T(2) * first * dq, dq};
+  const auto dm = moment_grad(first, var_it, kap_m, kap_v, r.d1, r.d2);
+  return {r.d1, r.d2, r.xg, var_it, dm.df, dm.dq};
 }
 
 // backward_impl without pooling, in one pass: every token is a cell of its own, so its dL/dm is
