@@ -427,6 +427,31 @@ def test_banded_positional_products_equal_dense_reference(dtn_implementation, po
     assert_equals_dense_reference(norm, x, hw, g)
 
 
+@pytest.mark.parametrize('Dy', [(9, -9), (0, 20), (-3, 1)])
+def test_fused_passes_with_peaks_off_the_diagonal_equal_dense_reference(dtn_implementation, Dy):
+    """Without pooling and with P_x banded, the CPU kernels fuse the positional products with the
+    passes over the tokens, walking the token rows of every head in order and keeping only the
+    rows of u = P_x T that P_y still needs. With P_y's peaks far from its diagonal (whose weights
+    are then exact zeros: row i's sources lie 9 or 20 rows away, and the rows' gradients arrive
+    before or after row i itself), values and gradients still equal the dense formulation."""
+    from mmdtn.models.layers.dynamic_token_norm import _Band, _Grid, _on_tokens
+    torch.manual_seed(0)
+    H, W = 30, 40
+    norm = randomize(DynamicTokenNorm(32, 2)).double()
+    with torch.no_grad():
+        norm.pos_coef[:, 0] = -1.0
+        norm.pos_coef[:, 1] = torch.tensor([2.0, -2.0])
+        norm.pos_coef[:, 2] = 2 * torch.tensor(Dy, dtype=torch.float64)
+    p_y, p_x = norm.axis_matrices((H, W))
+    x = tokens(2, H, W, 32).requires_grad_()
+    native = dtn_implementation == 'cpu_kernels'
+    assert _on_tokens(x, _Grid(x, H, W, 1, 2), _Band(p_x, native=native)) == native
+    if max(abs(v) for v in Dy) >= 9:
+        assert (p_y.diagonal(dim1=1, dim2=2) == 0).any()
+    g = torch.randn(2, H * W, 32, dtype=torch.float64)
+    assert_equals_dense_reference(norm, x, hw=(H, W), g=g)
+
+
 def _forward_backward(norms, x, hw, g):
     """Output of the stacked ``norms`` and the gradients of (y * g).sum() for x and parameters."""
     y = x

@@ -26,7 +26,7 @@ Implementation notes:
   the dense formulation verify them in the tests). Backward keeps x and the per-token statistics;
   with pooling also the (small) cell moments and statistics. Without pooling, where those are as
   large as x, they are recomputed; the PyTorch implementation keeps u = P_x T, the costliest part
-  to recompute with dense products.
+  to recompute with dense products, and the CPU kernels never store them at all (below).
 - P_x^h and P_y^h are band matrices: far from its peak a row's weights are exact zeros (with the
   paper's initialisation about 15 per row are nonzero, on any grid). On CPUs the products with
   them, with their transposes and their gradients skip the zeros (banded C++ kernels), unless a
@@ -37,6 +37,11 @@ Implementation notes:
   :data:`USE_CPU_KERNELS` off, the same passes run as PyTorch operations over chunks of whole cell
   rows with reused scratch buffers; without pooling the statistics of Eq. 5 are then formed chunk
   by chunk from the positional products, never in full. The tests run both.
+- Without pooling (and with a banded P_x) the CPU kernels fuse the positional products with those
+  passes: one (image, head) at a time walks the token rows in order, forms the rows of
+  u = P_x T straight from x into a ring that holds only the rows P_y still needs, and from them
+  m = P_y u and the output, or backward dL/dm, dL/du = P_y^T dL/dm, the gradients of P_x and P_y
+  and dx, row by row in cache. Nothing as large as x is stored but y and dx.
 - Statistics are computed in float32 (or float64) even under autocast; the output has x's dtype. The
   inter-token moments are taken about a per-channel constant (exact, since rows of P sum to 1),
   which avoids the cancellation of E[x^2] - E[x]^2 for features with large offsets.
@@ -577,18 +582,23 @@ def _row_products(T, p_x, band_x, empty=None, out=None):
 
 
 def _on_tokens(x, grid, band_x):
-    """Whether the products with P_x run on the tokens themselves (no pooling, a banded P_x, which
-    implies the CPU kernels, whole vectors per head): the moments T are then never built nor
-    transposed."""
+    """Whether the positional products are fused with the passes over the tokens (no pooling, a
+    banded P_x, which implies the CPU kernels, and whole vectors per head): each (image, head)
+    walks the token rows in order and forms the rows of u = P_x T from x as P_y needs them, so that
+    neither T, u nor m is ever stored (see ``OwnHeadPass`` in the kernels)."""
     return band_x.banded and grid.s == 1 and grid.d % (64 // x.element_size()) == 0
 
 
-def _token_row_products(x, p_x, centre, grid, empty):
-    """u = P_x T for the moments T of the tokens x about centre, head-major (nh, 2, B, H, W, d),
-    from the CPU kernel that forms T on the fly (see :func:`_on_tokens`)."""
-    u = empty(grid.nh, 2, grid.B, grid.H, grid.W, grid.d)
-    _native_ops.row_moments(p_x.contiguous(), x, centre, u, grid.H, grid.W, grid.nh)
-    return u
+def _factors(p_y, p_x):
+    """P_y and P_x as the fused kernels take them (contiguous, outside autograd)."""
+    return p_y.detach().contiguous(), p_x.detach().contiguous()
+
+
+def _ratio_grads(sums):
+    """The gradient of DynamicTokenNorm._channel_ratios (4, C) from the sums over tokens of
+    mu_ln D1, var_ln D2, mu_it D1 and var_it D2 (see _eager_token_gradients)."""
+    sum_mean_d1, sum_var_d2, mean_it_d1, var_it_d2 = sums
+    return torch.stack([-sum_mean_d1, -mean_it_d1, -0.5 * sum_var_d2, -0.5 * var_it_d2])
 
 
 def _bmm(a, b, out=None):
@@ -710,18 +720,20 @@ def _dtn_forward(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, keep)
     products are dense, keeps u = P_x T (twice x's size), the costliest part to recompute."""
     mean_ln, var_ln, pooled, centre, second = _token_statistics(x, grid, convention)
     native = _native(x)
+    bands = _Band(p_y, native), _Band(p_x, native)
+    if _on_tokens(x, grid, bands[1]):  # the products fused with the output pass
+        y = _native_ops.tokens_forward(x, mean_ln, var_ln, centre, *_factors(p_y, p_x),
+                                       ratios.contiguous(), weight.contiguous(),
+                                       bias.contiguous(), eps, grid.H, grid.W, grid.nh)
+        return y, ((mean_ln, var_ln, centre, False, None, None, None, bands) if keep else None)
     # without pooling the products are as large as x: temporaries from reused CPU memory
     empty = _Scratch(x).empty if native and grid.s == 1 else None
-    bands = _Band(p_y, native), _Band(p_x, native)
-    if _on_tokens(x, grid, bands[1]):
-        T, u_out, u = None, None, _token_row_products(x, p_x, centre, grid, empty)
-    else:
-        T = _moments(pooled, centre, second, grid, empty)
-        u_out = u = None
-        if keep and grid.s == 1 and not native:
-            u_out = T.new_empty(grid.nh, 2, grid.B, grid.Hp, grid.Wp, grid.d)
-    u, m = _positional_products(T, p_y, p_x, variance=grid.s > 1, empty=empty, u=u,
-                                u_out=u_out, bands=bands)
+    T = _moments(pooled, centre, second, grid, empty)
+    u_out = None
+    if keep and grid.s == 1 and not native:
+        u_out = T.new_empty(grid.nh, 2, grid.B, grid.Hp, grid.Wp, grid.d)
+    u, m = _positional_products(T, p_y, p_x, variance=grid.s > 1, empty=empty, u_out=u_out,
+                                bands=bands)
     if native:
         y = _native_ops.forward(x, mean_ln, var_ln, *grid.cell_moments(m), centre,
                                 ratios.contiguous(), weight.contiguous(), bias.contiguous(), eps,
@@ -758,14 +770,16 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
     nh, Hp, Wp = grid.nh, grid.Hp, grid.Wp
     mean_ln, var_ln, centre, with_second, T, m, u, bands = saved
     band_y, band_x = bands
+    n_var = C - 1 if convention.unbiased_ln_var else C
+    if _on_tokens(x, grid, band_x):  # the products fused with the passes over the tokens
+        dx, grad_p_y, grad_p_x, sums = _native_ops.tokens_backward(
+            g, x, mean_ln, var_ln, centre, *_factors(p_y, p_x), ratios.contiguous(),
+            weight.contiguous(), eps, float(n_var), grid.H, grid.W, nh)
+        return (dx, grad_p_y, grad_p_x, _ratio_grads(sums[2:]), sums[0], sums[1])
     native = _native(x)
     empty = _Scratch(x).empty if native and grid.s == 1 else None  # as in _dtn_forward
-    on_tokens = _on_tokens(x, grid, band_x)
     if T is None:  # no pooling: T = (x - centre, its square), m and u (if not kept) recomputed
-        if on_tokens:
-            u = _token_row_products(x, p_x, centre, grid, empty)
-        else:
-            T = _moments(grid.pool(x), centre, None, grid, empty)
+        T = _moments(grid.pool(x), centre, None, grid, empty)
         u, m = _positional_products(T, p_y, p_x, variance=False, empty=empty, u=u, bands=bands)
         spare = torch.empty_like(u) if empty is None else empty(*u.shape)  # for dL/du, dL/dT
     else:
@@ -784,38 +798,29 @@ def _dtn_backward(g, x, p_y, p_x, ratios, weight, grid, eps, convention, saved):
     else:
         dx, tok1, tok2, sums = _eager_token_gradients(g, x, mean_ln, var_ln, m, centre, ratios,
                                                       weight, grid, eps, work)
-    grad_weight, grad_bias, sum_mean_d1, sum_var_d2, mean_it_d1, var_it_d2 = sums
-    grad_ratios = torch.stack([-sum_mean_d1, -mean_it_d1, -0.5 * sum_var_d2, -0.5 * var_it_d2])
+    grad_weight, grad_bias = sums[0], sums[1]
+    grad_ratios = _ratio_grads(sums[2:])
 
     # the positional products backwards: dL/dm -> dL/dP_y, dL/du -> dL/dP_x, dL/dT
     d = grid.d
     dm, u_rows = work.view(-1, Hp, Wp * d), u.view(-1, Hp, Wp * d)
     grad_p_y = band_y.outer(p_y, dm, u_rows).view(nh, 2 * B, Hp, Hp).sum(1)
     du = band_y.matmul(p_y, dm, out=spare.view(u_rows.shape), transpose=True)  # dL/du
-    if on_tokens:  # P_x on the tokens: dL/dP_x and dL/dT, head-major, dL/dT into work
-        du = du.view(u.shape)
-        p_x = p_x.contiguous()
-        grad_p_x = _native_ops.row_outer_moments(p_x, x, centre, du, grid.H, grid.W, nh)
-        dT = work.view(u.shape)
-        _native_ops.row_transposed(p_x, x, du, dT, grid.H, grid.W, nh)
-        d_first, d_second = grid.cell_moments(dT)
-    else:
-        du_cm = work.view(nh, Wp, 2, B, Hp, d)  # dL/du, column-major, into work
-        du_cm.copy_(du.view(nh, 2, B, Hp, Wp, d).permute(0, 4, 1, 2, 3, 5))
-        du_cm = du_cm.view(nh, Wp, -1)
-        grad_p_x = band_x.outer(p_x, du_cm, T.view(nh, Wp, -1))
-        dT = band_x.matmul(p_x, du_cm, out=spare.view(nh, Wp, -1), transpose=True).view(T.shape)
-        d_first, d_second = dT[:, :, 0], dT[:, :, 1]
-        if grid.s > 1 and not with_second:  # second moment = first^2 (reference convention)
-            d_first.addcmul_(T[:, :, 0], d_second, value=2)
-            d_second = None
-        if native:  # cell views for the kernel
-            d_first = grid.from_cm(d_first)
-            d_second = None if d_second is None else grid.from_cm(d_second)
+    du_cm = work.view(nh, Wp, 2, B, Hp, d)  # dL/du, column-major, into work
+    du_cm.copy_(du.view(nh, 2, B, Hp, Wp, d).permute(0, 4, 1, 2, 3, 5))
+    du_cm = du_cm.view(nh, Wp, -1)
+    grad_p_x = band_x.outer(p_x, du_cm, T.view(nh, Wp, -1))
+    dT = band_x.matmul(p_x, du_cm, out=spare.view(nh, Wp, -1), transpose=True).view(T.shape)
+    d_first, d_second = dT[:, :, 0], dT[:, :, 1]
+    if grid.s > 1 and not with_second:  # second moment = first^2 (reference convention)
+        d_first.addcmul_(T[:, :, 0], d_second, value=2)
+        d_second = None
+    if native:  # cell views for the kernel
+        d_first = grid.from_cm(d_first)
+        d_second = None if d_second is None else grid.from_cm(d_second)
 
     # pass 2: dx = D1 + x beta + alpha + (dL/dT_0 + 2 (x - centre) dL/dT_1) / n with beta and
     # alpha from Eq. 2 and n the tokens of the cell
-    n_var = C - 1 if convention.unbiased_ln_var else C
     beta = tok2.mul_(-1.0 / n_var)  # dL/dvar_ln * 2 / n_var with dL/dvar_ln = -tok2 / 2
     alpha = torch.addcmul(tok1.div_(-C), beta, mean_ln, value=-1)  # dL/dmu_ln / C - beta mu_ln
     if native:

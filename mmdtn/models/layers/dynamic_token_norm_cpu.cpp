@@ -60,6 +60,12 @@ struct BackwardTensors {
   const torch::Tensor &dm_first, &dm_second;
 };
 
+// The operands of the fused passes without pooling (tokens_forward_impl, tokens_backward_impl).
+struct TokenPassTensors {
+  const torch::Tensor &x, &mean_ln, &var_ln, &centre, &p_y, &p_x, &ratios, &weight;
+  double eps;
+};
+
 void check_cell_view(const torch::Tensor& t, const Grid& g, const char* name) {
   TORCH_CHECK(t.dim() == 5 && t.size(0) == g.B && t.size(1) == g.Hp && t.size(2) == g.Wp &&
                   t.size(3) == g.nh && t.size(4) == g.d && t.stride(4) == 1,
@@ -252,65 +258,60 @@ torch::Tensor band_outer(const torch::Tensor& p, const torch::Tensor& a, const t
   return g;
 }
 
-void check_row_product(const torch::Tensor& p, const torch::Tensor& x, const Grid& g) {
-  check_inputs(x, g);
-  TORCH_CHECK(g.s == 1 && p.is_contiguous() && p.dim() == 3 && p.size(0) == g.nh &&
-                  p.size(1) == g.W && p.size(2) == g.W && p.scalar_type() == x.scalar_type(),
-              "P_x: expected contiguous (nh, W, W) matrices of x's dtype, and no pooling");
-  TORCH_CHECK(g.d % (64 / x.element_size()) == 0,
-              "row products: the channels per head must be a multiple of the vector width");
+// The operands of the fused passes without pooling (see OwnHeadPass).
+void check_token_pass(const TokenPassTensors& t, const Grid& g) {
+  check_inputs(t.x, g);
+  check_centre(t.centre, g);
+  for (const auto* p : {&t.p_y, &t.p_x}) {
+    const int64_t L = p == &t.p_y ? g.H : g.W;
+    TORCH_CHECK(p->is_contiguous() && p->dim() == 3 && p->size(0) == g.nh && p->size(1) == L &&
+                    p->size(2) == L && p->scalar_type() == t.x.scalar_type(),
+                "P_y, P_x: expected contiguous (nh, H, H) and (nh, W, W) matrices of x's dtype");
+  }
+  TORCH_CHECK(g.d % (64 / t.x.element_size()) == 0,
+              "the channels per head must be a multiple of the vector width");
 }
 
-void check_head_major(const torch::Tensor& t, const Grid& g, const char* name) {
-  TORCH_CHECK(t.is_contiguous() && t.dim() == 6 && t.size(0) == g.nh && t.size(1) == 2 &&
-                  t.size(2) == g.B && t.size(3) == g.H && t.size(4) == g.W && t.size(5) == g.d,
-              name, ": expected a contiguous head-major (nh, 2, B, H, W, d) tensor");
-}
-
-// u = P_x T with the moments T of x about centre (no pooling), head-major, into ``out``.
-void row_moments(const torch::Tensor& p, const torch::Tensor& x, const torch::Tensor& centre,
-                 torch::Tensor& out, int64_t H, int64_t W, int64_t num_heads) {
+// Eqs. 4 and 5 without pooling, the positional products included.
+torch::Tensor tokens_forward(const torch::Tensor& x, const torch::Tensor& mean_ln,
+                             const torch::Tensor& var_ln, const torch::Tensor& centre,
+                             const torch::Tensor& p_y, const torch::Tensor& p_x,
+                             const torch::Tensor& ratios, const torch::Tensor& weight,
+                             const torch::Tensor& bias, double eps, int64_t H, int64_t W,
+                             int64_t num_heads) {
   const Grid g(x, H, W, 1, num_heads);
-  check_row_product(p, x, g);
-  check_head_major(out, g, "out");
-  check_centre(centre, g);
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_row_moments", [&] {
-    using T = scalar_t;
-    KERNEL(row_moments_impl<T>(p.data_ptr<T>(), x.data_ptr<T>(), centre.data_ptr<T>(),
-                               out.data_ptr<T>(), g.nh, g.B, g.H, g.W, g.C, g.d));
+  const TokenPassTensors t{x, mean_ln, var_ln, centre, p_y, p_x, ratios, weight, eps};
+  check_token_pass(t, g);
+  auto y = torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_tokens_forward", [&] {
+    KERNEL(tokens_forward_impl<scalar_t>(t, bias, H, W, num_heads, y));
   });
+  return y;
 }
 
-// P_x^T A for a head-major A (the gradient of the moments), head-major, into ``out``.
-void row_transposed(const torch::Tensor& p, const torch::Tensor& x, const torch::Tensor& a,
-                    torch::Tensor& out, int64_t H, int64_t W, int64_t num_heads) {
+// The backward pass without pooling, the positional products included: dx, the gradients of P_y
+// and P_x, and the sums (6, C) of backward.
+std::vector<torch::Tensor> tokens_backward(const torch::Tensor& grad, const torch::Tensor& x,
+                                           const torch::Tensor& mean_ln,
+                                           const torch::Tensor& var_ln,
+                                           const torch::Tensor& centre, const torch::Tensor& p_y,
+                                           const torch::Tensor& p_x, const torch::Tensor& ratios,
+                                           const torch::Tensor& weight, double eps, double n_var,
+                                           int64_t H, int64_t W, int64_t num_heads) {
   const Grid g(x, H, W, 1, num_heads);
-  check_row_product(p, x, g);
-  check_head_major(a, g, "A");
-  check_head_major(out, g, "out");
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_row_transposed", [&] {
-    using T = scalar_t;
-    KERNEL(row_transposed_impl<T>(p.data_ptr<T>(), a.data_ptr<T>(), out.data_ptr<T>(), g.nh,
-                                  g.B, g.H, g.W, g.d));
+  const TokenPassTensors t{x, mean_ln, var_ln, centre, p_y, p_x, ratios, weight, eps};
+  check_token_pass(t, g);
+  TORCH_CHECK(grad.sizes() == x.sizes() && grad.is_contiguous(), "grad: expected x's shape");
+  auto dx = torch::empty_like(x);
+  auto g_y = torch::zeros({g.B, g.nh, H, H}, x.options());
+  auto g_x = torch::zeros({g.B, g.nh, W, W}, x.options());
+  auto sums = x.new_empty({g.B, 6, g.C});
+  auto tok = x.new_empty({2, g.nh, g.B * H * W});
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_tokens_backward", [&] {
+    KERNEL(tokens_backward_impl<scalar_t>(t, grad, n_var, H, W, num_heads, dx, g_y, g_x, sums,
+                                          tok));
   });
-}
-
-// The gradient of P_x for u = P_x T (moments of x about centre) and a head-major dL/du.
-torch::Tensor row_outer_moments(const torch::Tensor& p, const torch::Tensor& x,
-                                const torch::Tensor& centre, const torch::Tensor& a, int64_t H,
-                                int64_t W, int64_t num_heads) {
-  const Grid g(x, H, W, 1, num_heads);
-  check_row_product(p, x, g);
-  check_head_major(a, g, "A");
-  check_centre(centre, g);
-  auto grad = x.new_empty({g.nh, W, W});
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_row_outer_moments", [&] {
-    using T = scalar_t;
-    KERNEL(row_outer_moments_impl<T>(p.data_ptr<T>(), a.data_ptr<T>(), x.data_ptr<T>(),
-                                     centre.data_ptr<T>(), grad.data_ptr<T>(), g.nh, g.B, g.H,
-                                     g.W, g.C, g.d));
-  });
-  return grad;
+  return {dx, g_y.sum(0), g_x.sum(0), sums.sum(0)};
 }
 
 }  // namespace
@@ -323,7 +324,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("input_grad", &input_grad, "DTN input gradient pass");
   m.def("band_matmul", &band_matmul, "P X (or P^T X) over the nonzero span of every row of P");
   m.def("band_outer", &band_outer, "A X^T where P is nonzero, 0 elsewhere");
-  m.def("row_moments", &row_moments, "P_x times the moments of x, head-major (no pooling)");
-  m.def("row_transposed", &row_transposed, "P_x^T times a head-major tensor (no pooling)");
-  m.def("row_outer_moments", &row_outer_moments, "gradient of P_x (no pooling)");
+  m.def("tokens_forward", &tokens_forward, "DTN output pass without pooling, products fused");
+  m.def("tokens_backward", &tokens_backward, "DTN backward pass without pooling, products fused");
 }
