@@ -14,6 +14,11 @@ Prints three tables:
      that both see the same machine load; after the warm-up it times ``--iters`` iterations of
      each and keeps the fastest of each (a shared machine only ever adds time). The table shows
      medians over ``--repeats`` such processes, and the median and range of their DTN/LN ratios.
+     On Linux CPUs these processes run, by default (``--malloc keep``), with glibc's malloc set to
+     keep freed memory for reuse (:data:`KEEP_FREED_MEMORY`). With its defaults, every tensor
+     above 32 MiB is mapped afresh and first-touch page faults on it cost, on virtual machines,
+     more than a second of system time per iteration, varying from one iteration to the next for
+     both backbones alike; ``--malloc system`` measures that way.
    - Memory: the peak of one training iteration after the warm-up (CUDA: the allocator's peak;
      CPU: growth of the process's peak resident set size), each backbone in a fresh process of
      its own.
@@ -48,6 +53,10 @@ MODELS = {
 }
 VARIANTS = ('ln', 'dtn')  # the stock backbone and its DTN twin
 PAPER_FLOPS = {'pvt_tiny': (1.90, 2.05), 'swin_t': (4.51, 5.09)}  # DTN paper, Table 2 (224)
+#: glibc malloc settings of the timing processes with ``--malloc keep``: no memory is returned to
+#: the system, and no allocation gets pages of its own (mapped, and faulted in, afresh each time).
+KEEP_FREED_MEMORY = {'MALLOC_MMAP_THRESHOLD_': str(2**32), 'MALLOC_TRIM_THRESHOLD_': str(2**40),
+                     'MALLOC_TOP_PAD_': str(2**30)}
 
 
 def build(name, variant, **extra):
@@ -196,14 +205,16 @@ def time_worker(name, batch, size, device, warmup, iters):
     return seconds
 
 
-def measure(name, variant, batch, size, device, warmup, iters):
+def measure(name, variant, batch, size, device, warmup, iters, malloc='system'):
     """Run :func:`time_worker` (``variant='both'``) or :func:`memory_worker` in a fresh process
-    (so that peak memory is this run's)."""
+    (so that peak memory is this run's); ``malloc='keep'`` runs it with
+    :data:`KEEP_FREED_MEMORY`."""
     cmd = [sys.executable, os.path.abspath(__file__), '--worker', name, variant, str(batch),
            f'{size[0]}x{size[1]}', '--device', str(device), '--warmup', str(warmup),
            '--iters', str(iters),
            '--threads', str(torch.get_num_threads())]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ, **KEEP_FREED_MEMORY) if malloc == 'keep' else None
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode:
         raise RuntimeError(f'benchmark worker {cmd} failed:\n{proc.stderr[-3000:]}')
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -244,6 +255,10 @@ def main():
                         help='torch CPU threads; on a machine shared with other jobs use 1: '
                         'with more, every parallel op can stall on a descheduled thread, which '
                         'penalises many small ops (DTN) far more than few large ones')
+    parser.add_argument('--malloc', default='keep', choices=['keep', 'system'],
+                        help="timing processes on Linux CPUs: 'keep' sets glibc's malloc to keep "
+                        "freed memory (no page faults on reused memory), 'system' leaves its "
+                        "defaults; memory is always measured with the defaults")
     parser.add_argument('--skip', nargs='*', default=[], choices=['flops', 'time'],
                         help="'time' skips the time and memory measurements")
     parser.add_argument('--worker', nargs=4, metavar=('MODEL', 'VARIANT', 'BATCH', 'SIZE'),
@@ -263,9 +278,11 @@ def main():
         return
 
     size = parse_size(args.size)
+    malloc = 'keep' if args.malloc == 'keep' and device.type == 'cpu' and sys.platform.startswith(
+        'linux') else 'system'
     print(f'device={device}, torch threads={torch.get_num_threads()}, time/memory input '
           f'{size[0]}x{size[1]}, batches {args.batches}, {args.repeats} processes x '
-          f'{args.iters} timed iterations per model')
+          f'{args.iters} timed iterations per model, malloc of the timing processes: {malloc}')
     if 'flops' not in args.skip:
         rows = []
         for name in tqdm(args.models, desc='FLOPs'):
@@ -291,7 +308,8 @@ def main():
         results = {}
         for name, batch, variant in tqdm(jobs, desc='fwd+bwd time and memory'):
             results.setdefault((name, batch, variant), []).append(
-                measure(name, variant, batch, size, device, args.warmup, args.iters))
+                measure(name, variant, batch, size, device, args.warmup, args.iters,
+                        malloc if variant == 'both' else 'system'))
         for name, batch in cases:
             timed = results[(name, batch, 'both')]
             t = {v: statistics.median(r[v] for r in timed) for v in VARIANTS}
