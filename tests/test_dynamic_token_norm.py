@@ -428,12 +428,16 @@ def test_banded_positional_products_equal_dense_reference(dtn_implementation, po
 
 
 @pytest.mark.parametrize('Dy', [(9, -9), (0, 20), (-3, 1)])
-def test_fused_passes_with_peaks_off_the_diagonal_equal_dense_reference(dtn_implementation, Dy):
+@pytest.mark.parametrize('threads', [1, 3])
+def test_fused_passes_with_peaks_off_the_diagonal_equal_dense_reference(dtn_implementation, Dy,
+                                                                        threads):
     """Without pooling and with P_x banded, the CPU kernels fuse the positional products with the
     passes over the tokens, walking the token rows of every head in order and keeping only the
     rows of u = P_x T that P_y still needs. With P_y's peaks far from its diagonal (whose weights
     are then exact zeros: row i's sources lie 9 or 20 rows away, and the rows' gradients arrive
-    before or after row i itself), values and gradients still equal the dense formulation."""
+    before or after row i itself), values and gradients still equal the dense formulation. With 3
+    threads the 4 (image, head) tasks are too few, and every head's channels are split into two
+    groups of tasks of their own."""
     from mmdtn.models.layers.dynamic_token_norm import _Band, _Grid, _on_tokens
     torch.manual_seed(0)
     H, W = 30, 40
@@ -449,7 +453,12 @@ def test_fused_passes_with_peaks_off_the_diagonal_equal_dense_reference(dtn_impl
     if max(abs(v) for v in Dy) >= 9:
         assert (p_y.diagonal(dim1=1, dim2=2) == 0).any()
     g = torch.randn(2, H * W, 32, dtype=torch.float64)
-    assert_equals_dense_reference(norm, x, hw=(H, W), g=g)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert_equals_dense_reference(norm, x, hw=(H, W), g=g)
+    finally:
+        torch.set_num_threads(saved)
 
 
 def _forward_backward(norms, x, hw, g):

@@ -272,6 +272,20 @@ void check_token_pass(const TokenPassTensors& t, const Grid& g) {
               "the channels per head must be a multiple of the vector width");
 }
 
+// Groups of channels per head in the tasks of the fused passes: the fewest (whole vectors each)
+// that give a multiple of the thread count or at least four tasks per thread.
+int64_t channel_groups(const torch::Tensor& x, const Grid& g) {
+  const int64_t threads = at::get_num_threads(), vectors = g.d / (64 / x.element_size());
+  int64_t parts = 1;
+  for (int64_t p = 1; p <= vectors; ++p) {
+    if (vectors % p) continue;
+    parts = p;
+    const int64_t tasks = g.B * g.nh * p;
+    if (tasks % threads == 0 || tasks >= 4 * threads) break;
+  }
+  return parts;
+}
+
 // Eqs. 4 and 5 without pooling, the positional products included.
 torch::Tensor tokens_forward(const torch::Tensor& x, const torch::Tensor& mean_ln,
                              const torch::Tensor& var_ln, const torch::Tensor& centre,
@@ -284,7 +298,7 @@ torch::Tensor tokens_forward(const torch::Tensor& x, const torch::Tensor& mean_l
   check_token_pass(t, g);
   auto y = torch::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_tokens_forward", [&] {
-    KERNEL(tokens_forward_impl<scalar_t>(t, bias, H, W, num_heads, y));
+    KERNEL(tokens_forward_impl<scalar_t>(t, bias, H, W, num_heads, channel_groups(x, g), y));
   });
   return y;
 }
@@ -302,16 +316,17 @@ std::vector<torch::Tensor> tokens_backward(const torch::Tensor& grad, const torc
   const TokenPassTensors t{x, mean_ln, var_ln, centre, p_y, p_x, ratios, weight, eps};
   check_token_pass(t, g);
   TORCH_CHECK(grad.sizes() == x.sizes() && grad.is_contiguous(), "grad: expected x's shape");
+  const int64_t parts = channel_groups(x, g);
   auto dx = torch::empty_like(x);
-  auto g_y = torch::zeros({g.B, g.nh, H, H}, x.options());
-  auto g_x = torch::zeros({g.B, g.nh, W, W}, x.options());
+  auto g_y = torch::zeros({g.B, g.nh, parts, H, H}, x.options());
+  auto g_x = torch::zeros({g.B, g.nh, parts, W, W}, x.options());
   auto sums = x.new_empty({g.B, 6, g.C});
-  auto tok = x.new_empty({2, g.nh, g.B * H * W});
+  auto tok = x.new_empty({2, g.B * g.nh * parts, H * W});
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtn_tokens_backward", [&] {
-    KERNEL(tokens_backward_impl<scalar_t>(t, grad, n_var, H, W, num_heads, dx, g_y, g_x, sums,
-                                          tok));
+    KERNEL(tokens_backward_impl<scalar_t>(t, grad, n_var, H, W, num_heads, parts, dx, g_y, g_x,
+                                          sums, tok));
   });
-  return {dx, g_y.sum(0), g_x.sum(0), sums.sum(0)};
+  return {dx, g_y.sum({0, 2}), g_x.sum({0, 2}), sums.sum(0)};
 }
 
 }  // namespace

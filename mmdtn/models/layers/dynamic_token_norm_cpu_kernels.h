@@ -326,6 +326,36 @@ inline OwnCellGrad<T> own_cell_grad(T x, T g, T w, T mu, T var, T lam_m, T kap_m
   return {r.d1, r.d2, r.xg, var_it, dm.df, dm.dq};
 }
 
+// own_cell_grad over the d channels of one head of one token: D1 into dx, dL/dm into df and dq,
+// and the head's per-channel sums into s, six rows ``stride`` apart (xhat g, g, mu_ln D1,
+// var_ln D2, mu_it D1, var_it D2). Returns the token's sums D1 . lam_m and D2 . lam_v.
+template <typename T>
+inline std::pair<T, T> own_cell_head(int64_t d, const T* x, const T* g, const T* w, T mu, T var,
+                                     const T* lm, const T* km, const T* lv, const T* kv,
+                                     const T* cen, const T* f, const T* q, T e, T* dx, T* df,
+                                     T* dq, T* s, int64_t stride) {
+  T *s_xg = s, *s_g = s + stride, *s_mu = s + 2 * stride, *s_var = s + 3 * stride,
+    *s_mit = s + 4 * stride, *s_vit = s + 5 * stride;
+  T sum1 = 0, sum2 = 0;
+#pragma omp simd reduction(+ : sum1, sum2)
+  for (int64_t k = 0; k < d; ++k) {
+    const auto r =
+        own_cell_grad(x[k], g[k], w[k], mu, var, lm[k], km[k], lv[k], kv[k], cen[k], f[k], q[k], e);
+    dx[k] = r.d1;
+    df[k] = r.df;
+    dq[k] = r.dq;
+    sum1 += r.d1 * lm[k];
+    sum2 += r.d2 * lv[k];
+    s_xg[k] += r.xg;
+    s_g[k] += g[k];
+    s_mu[k] += mu * r.d1;
+    s_var[k] += var * r.d2;
+    s_mit[k] += (f[k] + cen[k]) * r.d1;
+    s_vit[k] += r.var_it * r.d2;
+  }
+  return {sum1, sum2};
+}
+
 // backward_impl without pooling, in one pass: every token is a cell of its own, so its dL/dm is
 // written as soon as its gradient terms are known, without per-cell sums. Units are token rows,
 // taken head by head: the head-major dL/dm and m of a head's row are contiguous, which keeps the
@@ -344,13 +374,10 @@ void backward_tokens_impl(const BackwardTensors& t, const Grid& g) {
       T* a2 = o.tok2 + u * W;
       std::fill(a1, a1 + W, T(0));
       std::fill(a2, a2 + W, T(0));
-      T* s_xg = o.sums + u * 6 * C;
-      std::fill(s_xg, s_xg + 6 * C, T(0));
+      T* sums = o.sums + u * 6 * C;
+      std::fill(sums, sums + 6 * C, T(0));
       for (int64_t h = 0; h < g.nh; ++h) {
         const int64_t c0 = h * d;
-        // this head's channels of the per-unit sums
-        T *s_xg_h = s_xg + c0, *s_g = s_xg_h + C, *s_mu = s_g + C, *s_var = s_mu + C,
-          *s_mit = s_var + C, *s_vit = s_mit + C;
         const T *lm = lam_m + c0, *km = kap_m + c0, *lv = lam_v + c0, *kv = kap_v + c0;
         const T *w = o.w + c0, *ch = cen + c0;
         for (int64_t j = 0; j < W; ++j) {
@@ -359,24 +386,8 @@ void backward_tokens_impl(const BackwardTensors& t, const Grid& g) {
           T* dxt = o.dx + t * C + c0;
           const T *fh = o.f.head(b, i, j, h), *qh = o.q.head(b, i, j, h);
           T *of = o.dmf.head(b, i, j, h), *oq = o.dmq.head(b, i, j, h);
-          const T mu = o.mu[t], var = o.var[t];
-          T sum1 = 0, sum2 = 0;
-#pragma omp simd reduction(+ : sum1, sum2)
-          for (int64_t k = 0; k < d; ++k) {
-            const auto r = own_cell_grad(xt[k], gt[k], w[k], mu, var, lm[k], km[k], lv[k], kv[k],
-                                         ch[k], fh[k], qh[k], e);
-            dxt[k] = r.d1;
-            of[k] = r.df;
-            oq[k] = r.dq;
-            sum1 += r.d1 * lm[k];
-            sum2 += r.d2 * lv[k];
-            s_xg_h[k] += r.xg;
-            s_g[k] += gt[k];
-            s_mu[k] += mu * r.d1;
-            s_var[k] += var * r.d2;
-            s_mit[k] += (fh[k] + ch[k]) * r.d1;
-            s_vit[k] += r.var_it * r.d2;
-          }
+          const auto [sum1, sum2] = own_cell_head(d, xt, gt, w, o.mu[t], o.var[t], lm, km, lv, kv,
+                                                  ch, fh, qh, e, dxt, of, oq, sums + c0, C);
           a1[j] += sum1;
           a2[j] += sum2;
         }
@@ -598,11 +609,12 @@ void band_outer_impl(const T* P, const T* A, const T* X, T* G, int64_t n, int64_
 
 // ---------------------------------------------------------------------------------------------
 // Without pooling, the fused passes over the tokens. u = P_x T (T: the moments x - centre and
-// (x - centre)^2) and m = P_y u are as large as x; these passes never store them. Every task, one
-// head h of one image b, walks the token rows in order: it forms the rows of u with P_x straight
-// from x into a ring holding the rows that P_y still needs, and from them m (and, backward, dL/dm
-// and dL/du) one row at a time, in cache. A row tile of one head is (2, W, d): both moments, W
-// tokens, d channels; d must be a multiple of the vector width.
+// (x - centre)^2) and m = P_y u are as large as x; these passes never store them. Every task, a
+// group of d channels of one head h of one image b, walks the token rows in order: it forms the
+// rows of u with P_x straight from x into a ring holding the rows that P_y still needs, and from
+// them m (and, backward, dL/dm and dL/du) one row at a time, in cache. A row tile is (2, W, d):
+// both moments, W tokens, d channels; d must be a multiple of the vector width. A head's channels
+// are split into groups only when there would be too few tasks for the threads otherwise.
 
 // The nonzero spans and weights of one axis factor P (nh, L, L) of every head, in blocks of kRows
 // rows (of columns with ``transpose``), as the banded products take them.
@@ -618,7 +630,8 @@ struct BandBlocks {
       const int64_t h = r / blocks, i0 = (r % blocks) * kRows, rows = std::min(kRows, L - i0);
       const T* p = P + h * L * L;
       block[r] = row_block(p, i0, rows, L, transpose, weights[r]);
-      for (int64_t q = 0; q < rows; ++q) row[h * L + i0 + q] = nonzero_span(p, i0 + q, L, transpose);
+      for (int64_t q = 0; q < rows; ++q)
+        row[h * L + i0 + q] = nonzero_span(p, i0 + q, L, transpose);
       width = std::max(width, block[r].second - block[r].first);
     }
   }
@@ -726,7 +739,8 @@ void band_outer_row(const BandBlocks<T>& bands, int64_t h, int64_t d, const T* a
 #pragma GCC unroll 4
       for (int64_t q = 0; q < kRows; ++q)
 #pragma GCC unroll 5
-        for (int64_t jj = 0; jj < kCols; ++jj) load<T>(s[q][jj], ab + (q * stride + jb - j0 + jj) * V);
+        for (int64_t jj = 0; jj < kCols; ++jj)
+          load<T>(s[q][jj], ab + (q * stride + jb - j0 + jj) * V);
       for (int64_t e = 0; e < d; e += V) {
         Vec<T> a0[kRows], a1[kRows];
 #pragma GCC unroll 4
@@ -746,7 +760,8 @@ void band_outer_row(const BandBlocks<T>& bands, int64_t h, int64_t d, const T* a
 #pragma GCC unroll 4
       for (int64_t q = 0; q < kRows; ++q)
 #pragma GCC unroll 5
-        for (int64_t jj = 0; jj < kCols; ++jj) store<T>(ab + (q * stride + jb - j0 + jj) * V, s[q][jj]);
+        for (int64_t jj = 0; jj < kCols; ++jj)
+          store<T>(ab + (q * stride + jb - j0 + jj) * V, s[q][jj]);
     }
   }
 }
@@ -841,26 +856,32 @@ void row_dots(const T* a, std::pair<int64_t, int64_t> span, TileRing<T>& rows, T
   }
 }
 
-// What the tasks (image b, head h) of a fused pass share: the operands, P_x's blocks (of rows, and
-// for the backward pass of columns, for P_x^T), P_y's row and column spans, and the sizes of the
-// rings of rows of u = P_x T and of dL/dm.
+// A task of the fused passes: image b, head h, and the group of channels from c0 on.
+struct HeadTask {
+  int64_t b, h, c0;
+};
+
+// What the tasks of a fused pass share: the operands, P_x's blocks (of rows, and for the backward
+// pass of columns, for P_x^T), P_y's row and column spans, and the sizes of the rings of rows of
+// u = P_x T and of dL/dm. ``parts`` groups of d channels per head.
 template <typename T>
 struct OwnHeadPass {
   const T *x, *mu, *var, *centre, *py;
   std::array<const T*, 4> ratios;
   const T* w;
   T eps;
-  int64_t B, H, W, C, nh, d;
+  int64_t B, H, W, C, nh, parts, d;
   BandBlocks<T> bx, bxt;
   std::vector<std::pair<int64_t, int64_t>> y_rows, y_cols;  // (nh * H) spans of P_y
   int64_t u_rows = 1, dm_rows = 1;
 
-  OwnHeadPass(const TokenPassTensors& t, int64_t H_, int64_t W_, int64_t nh_, bool backward)
+  OwnHeadPass(const TokenPassTensors& t, int64_t H_, int64_t W_, int64_t nh_, int64_t parts_,
+              bool backward)
       : x(t.x.data_ptr<T>()), mu(t.mean_ln.data_ptr<T>()), var(t.var_ln.data_ptr<T>()),
         centre(t.centre.data_ptr<T>()), py(t.p_y.data_ptr<T>()),
         ratios(ratio_rows<T>(t.ratios, t.x.size(2))), w(t.weight.data_ptr<T>()),
         eps(static_cast<T>(t.eps)), B(t.x.size(0)), H(H_), W(W_), C(t.x.size(2)), nh(nh_),
-        d(t.x.size(2) / nh_), bx(t.p_x.data_ptr<T>(), nh_, W_, false),
+        parts(parts_), d(t.x.size(2) / nh_ / parts_), bx(t.p_x.data_ptr<T>(), nh_, W_, false),
         bxt(t.p_x.data_ptr<T>(), backward ? nh_ : 0, W_, true), y_rows(nh_ * H_),
         y_cols(nh_ * H_) {
     for (int64_t h = 0; h < nh; ++h) {
@@ -873,10 +894,14 @@ struct OwnHeadPass {
       dm_rows = std::max(dm_rows, ring_rows(y_cols.data() + h * H, H, true));
     }
   }
+  int64_t tasks() const { return B * nh * parts; }
+  HeadTask task(int64_t k) const {
+    const int64_t h = k / parts % nh;
+    return {k / (parts * nh), h, (h * parts + k % parts) * d};
+  }
   int64_t tile() const { return 2 * W * d; }
-  const T* token(int64_t b, int64_t y) const { return x + (b * H + y) * W * C; }
-  TokenMoments<T> moments(int64_t b, int64_t h, int64_t y) const {
-    return {token(b, y) + h * d, centre + b * C + h * d, C};
+  TokenMoments<T> moments(const HeadTask& k, int64_t y) const {
+    return {x + (k.b * H + y) * W * C + k.c0, centre + k.b * C + k.c0, C};
   }
   // whether the sources of row k of dL/du = P_y^T dL/dm (the rows i of P_y's column k) are all
   // among the rows <= i
@@ -884,32 +909,33 @@ struct OwnHeadPass {
     const auto span = y_cols[h * H + k];
     return span.first >= span.second || span.second <= i + 1;
   }
-  // m row i of head h into ``m``, forming the rows of u it needs (next: the next row of u)
-  void m_row(int64_t b, int64_t h, int64_t i, TileRing<T>& u, int64_t& next, T* m) const {
-    const auto span = y_rows[h * H + i];
-    for (; next < span.second; ++next) band_row(bx, h, d, moments(b, h, next), u[next]);
-    combine_rows(py + (h * H + i) * H, int64_t(1), span, u, m);
+  // m row i of task k into ``m``, forming the rows of u it needs (next: the next row of u)
+  void m_row(const HeadTask& k, int64_t i, TileRing<T>& u, int64_t& next, T* m) const {
+    const auto span = y_rows[k.h * H + i];
+    for (; next < span.second; ++next) band_row(bx, k.h, d, moments(k, next), u[next]);
+    combine_rows(py + (k.h * H + i) * H, int64_t(1), span, u, m);
   }
 };
 
-// Eqs. 4 and 5 without pooling, fused with the products of Eq. 5: y for every task (b, h).
+// Eqs. 4 and 5 without pooling, fused with the products of Eq. 5: y, task by task.
 template <typename T>
 void tokens_forward_impl(const TokenPassTensors& t, const torch::Tensor& bias, int64_t H,
-                         int64_t W, int64_t nh, torch::Tensor& y) {
-  const OwnHeadPass<T> o(t, H, W, nh, false);
+                         int64_t W, int64_t nh, int64_t parts, torch::Tensor& y) {
+  const OwnHeadPass<T> o(t, H, W, nh, parts, false);
   const auto [lam_m, kap_m, lam_v, kap_v] = o.ratios;
   const T* pb = bias.data_ptr<T>();
   T* pout = y.data_ptr<T>();
   const int64_t C = o.C, d = o.d, Wd = W * d;
-  at::parallel_for(0, o.B * nh, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, o.tasks(), 1, [&](int64_t begin, int64_t end) {
     TileRing<T> u(o.u_rows, o.tile(), 0);
     T* m = thread_scratch<T>(1, o.tile());
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / nh, h = task % nh, c0 = h * d;
+    for (int64_t k = begin; k < end; ++k) {
+      const auto task = o.task(k);
+      const int64_t b = task.b, c0 = task.c0;
       const T* cen = o.centre + b * C + c0;
       int64_t next = 0;
       for (int64_t i = 0; i < H; ++i) {
-        o.m_row(b, h, i, u, next, m);
+        o.m_row(task, i, u, next, m);
         for (int64_t j = 0; j < W; ++j) {
           const int64_t tok = (b * H + i) * W + j;
           const T mu = o.mu[tok], var = o.var[tok];
@@ -934,67 +960,66 @@ void tokens_forward_impl(const TokenPassTensors& t, const torch::Tensor& bias, i
   });
 }
 
-// The backward pass without pooling, fused with the products of Eq. 5. Per task (b, h), row i:
+// The backward pass without pooling, fused with the products of Eq. 5. Per task, row i:
 // m_i, then the terms of own_cell_grad (D1 into dx, dL/dm_i into a ring), the gradient of P_y
 // (dL/dm_i . u_j), and, in order, every row k <= i of dL/du = P_y^T dL/dm whose sources are all
 // formed (OwnHeadPass::complete): its share of the gradient of P_x, and dx_k += dT_0 + 2 (x -
 // centre) dT_1 with dT = P_x^T dL/du. Then, per token, dx += x beta + alpha with beta and alpha
-// from Eq. 2 (see _dtn_backward). Writes the gradients of P_y (per image and head, (B, nh, H, H))
-// and of P_x ((B, nh, W, W)) into g_y and g_x, within the nonzero spans (zeros elsewhere), the
-// per-image sums (B, 6, C) as backward_tokens_impl, and the per-head token sums into tok.
+// from Eq. 2 (see _dtn_backward). Writes the gradients of P_y (per task, (tasks, H, H)) and of P_x
+// ((tasks, W, W)) into g_y and g_x, within the nonzero spans (zeros elsewhere), the per-image sums
+// (B, 6, C) as backward_tokens_impl, and the per-task token sums into tok.
 template <typename T>
 void tokens_backward_impl(const TokenPassTensors& t, const torch::Tensor& grad, double n_var,
-                          int64_t H, int64_t W, int64_t nh, torch::Tensor& dx,
+                          int64_t H, int64_t W, int64_t nh, int64_t parts, torch::Tensor& dx,
                           torch::Tensor& g_y, torch::Tensor& g_x, torch::Tensor& sums,
                           torch::Tensor& tok) {
-  const OwnHeadPass<T> o(t, H, W, nh, true);
+  const OwnHeadPass<T> o(t, H, W, nh, parts, true);
   const auto [lam_m, kap_m, lam_v, kap_v] = o.ratios;
   const T* pg = grad.data_ptr<T>();
   T* pdx = dx.data_ptr<T>();
   T *pgy = g_y.data_ptr<T>(), *pgx = g_x.data_ptr<T>(), *psums = sums.data_ptr<T>();
-  T* ptok = tok.data_ptr<T>();  // (2, nh, B * N): per head D1 . lam_m and D2 . lam_v
+  T* ptok = tok.data_ptr<T>();  // (2, tasks, N): per task D1 . lam_m and D2 . lam_v
   constexpr int64_t V = sizeof(Vec<T>) / sizeof(T);
   const int64_t C = o.C, d = o.d, Wd = W * d, N = H * W, n = o.tile();
   const int64_t stride = (o.bx.width + 4) / 5 * 5 + 5;  // accumulators per row of P_x
-  at::parallel_for(0, o.B * nh, 1, [&](int64_t begin, int64_t end) {
+  const int64_t tasks = o.tasks(), per_image = tasks / o.B;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     TileRing<T> u(o.u_rows, n, 0), dm(o.dm_rows, n, 1);
     T *m = thread_scratch<T>(2, n), *du = thread_scratch<T>(3, n), *dT = thread_scratch<T>(4, n);
     std::vector<T> s(6 * d);
     const int64_t acc_size = o.bx.blocks * kRows * stride * V;
     T* acc = thread_scratch<T>(5, acc_size);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / nh, h = task % nh, c0 = h * d;
+    for (int64_t k = begin; k < end; ++k) {
+      const auto task = o.task(k);
+      const int64_t b = task.b, h = task.h, c0 = task.c0;
       const T* cen = o.centre + b * C + c0;
       const T *lm = lam_m + c0, *km = kap_m + c0, *lv = lam_v + c0, *kv = kap_v + c0;
       const T* w = o.w + c0;
       const T* py = o.py + h * H * H;
-      T* gy = pgy + task * H * H;
-      T *tok1 = ptok + (h * o.B + b) * N, *tok2 = tok1 + nh * o.B * N;
+      T* gy = pgy + k * H * H;
+      T *tok1 = ptok + k * N, *tok2 = tok1 + tasks * N;
       std::fill(s.begin(), s.end(), T(0));
       std::fill(acc, acc + acc_size, T(0));
       int64_t next_u = 0, next_k = 0;
       // row k of dL/du: the gradient of P_x, and P_x^T dL/du into dx
-      auto du_row = [&](int64_t k) {
-        combine_rows(py + k, H, o.y_cols[h * H + k], dm, du);
-        const auto in = o.moments(b, h, k);
+      auto du_row = [&](int64_t r) {
+        combine_rows(py + r, H, o.y_cols[h * H + r], dm, du);
+        const auto in = o.moments(task, r);
         band_outer_row(o.bx, h, d, du, in, acc, stride);
         band_row(o.bxt, h, d, TileRow<T>{du, Wd, d}, dT);
         for (int64_t j = 0; j < W; ++j) {
           const T* xt = in.x + j * C;
-          T* dxt = pdx + ((b * H + k) * W + j) * C + c0;
+          T* dxt = pdx + ((b * H + r) * W + j) * C + c0;
           const T *t0 = dT + j * d, *t1 = t0 + Wd;
 #pragma omp simd
           for (int64_t e = 0; e < d; ++e) dxt[e] += t0[e] + T(2) * (xt[e] - cen[e]) * t1[e];
         }
       };
       for (int64_t i = 0; i < H; ++i) {
-        o.m_row(b, h, i, u, next_u, m);
+        o.m_row(task, i, u, next_u, m);
         T* dmi = dm[i];
-        T *s_xg = s.data(), *s_g = s_xg + d, *s_mu = s_g + d, *s_var = s_mu + d,
-          *s_mit = s_var + d, *s_vit = s_mit + d;
         for (int64_t j = 0; j < W; ++j) {
           const int64_t tk = (b * H + i) * W + j;
-          const T mu = o.mu[tk], var = o.var[tk];
           const T *xt = o.x + tk * C + c0, *gt = pg + tk * C + c0;
           const T *f = m + j * d, *q = f + Wd;
           T *dxt = pdx + tk * C + c0, *of = dmi + j * d, *oq = of + Wd;
@@ -1003,23 +1028,8 @@ void tokens_backward_impl(const TokenPassTensors& t, const torch::Tensor& grad, 
             prefetch<T>(gt + W * C, d);
             prefetch<T, true>(dxt + W * C, d);
           }
-          T sum1 = 0, sum2 = 0;
-#pragma omp simd reduction(+ : sum1, sum2)
-          for (int64_t k = 0; k < d; ++k) {
-            const auto r = own_cell_grad(xt[k], gt[k], w[k], mu, var, lm[k], km[k], lv[k],
-                                         kv[k], cen[k], f[k], q[k], o.eps);
-            dxt[k] = r.d1;
-            of[k] = r.df;
-            oq[k] = r.dq;
-            sum1 += r.d1 * lm[k];
-            sum2 += r.d2 * lv[k];
-            s_xg[k] += r.xg;
-            s_g[k] += gt[k];
-            s_mu[k] += mu * r.d1;
-            s_var[k] += var * r.d2;
-            s_mit[k] += (f[k] + cen[k]) * r.d1;
-            s_vit[k] += r.var_it * r.d2;
-          }
+          const auto [sum1, sum2] = own_cell_head(d, xt, gt, w, o.mu[tk], o.var[tk], lm, km, lv,
+                                                  kv, cen, f, q, o.eps, dxt, of, oq, s.data(), d);
           tok1[i * W + j] = sum1;
           tok2[i * W + j] = sum2;
         }
@@ -1030,7 +1040,7 @@ void tokens_backward_impl(const TokenPassTensors& t, const torch::Tensor& grad, 
       }
       for (; next_k < H; ++next_k) du_row(next_k);
       // the gradient of P_x from the lane-wise accumulators, within the rows' spans
-      T* gx = pgx + task * W * W;
+      T* gx = pgx + k * W * W;
       for (int64_t a = 0; a < W; ++a) {
         const auto [j0, j1] = o.bx.row[h * W + a];
         const int64_t b0 = o.bx.block[h * o.bx.blocks + a / kRows].first;
@@ -1049,9 +1059,9 @@ void tokens_backward_impl(const TokenPassTensors& t, const torch::Tensor& grad, 
     for (int64_t tk = begin; tk < end; ++tk) {
       const int64_t b = tk / N, r = tk % N;
       T a1 = 0, a2 = 0;
-      for (int64_t h = 0; h < nh; ++h) {
-        a1 += ptok[(h * o.B + b) * N + r];
-        a2 += ptok[((nh + h) * o.B + b) * N + r];
+      for (int64_t k = b * per_image; k < (b + 1) * per_image; ++k) {
+        a1 += ptok[k * N + r];
+        a2 += ptok[(tasks + k) * N + r];
       }
       const T beta = -a2 / T(n_var), alpha = -a1 / T(C) - beta * o.mu[tk];
       const T* xt = o.x + tk * C;
