@@ -720,12 +720,14 @@ def _dtn_forward(x, p_y, p_x, ratios, weight, bias, grid, eps, convention, keep)
     products are dense, keeps u = P_x T (twice x's size), the costliest part to recompute."""
     mean_ln, var_ln, pooled, centre, second = _token_statistics(x, grid, convention)
     native = _native(x)
-    bands = _Band(p_y, native), _Band(p_x, native)
-    if _on_tokens(x, grid, bands[1]):  # the products fused with the output pass
+    band_x = _Band(p_x, native)
+    if _on_tokens(x, grid, band_x):  # the products fused with the output pass (no P_y band)
         y = _native_ops.tokens_forward(x, mean_ln, var_ln, centre, *_factors(p_y, p_x),
                                        ratios.contiguous(), weight.contiguous(),
                                        bias.contiguous(), eps, grid.H, grid.W, grid.nh)
-        return y, ((mean_ln, var_ln, centre, False, None, None, None, bands) if keep else None)
+        saved = (mean_ln, var_ln, centre, False, None, None, None, (None, band_x))
+        return y, (saved if keep else None)
+    bands = _Band(p_y, native), band_x
     # without pooling the products are as large as x: temporaries from reused CPU memory
     empty = _Scratch(x).empty if native and grid.s == 1 else None
     T = _moments(pooled, centre, second, grid, empty)

@@ -92,6 +92,15 @@ void second_moment_impl(const torch::Tensor& x, const torch::Tensor& centre, con
   });
 }
 
+// Eq. 5 inside Eq. 4 for one token and channel: x, its token's mean_ln and var_ln (mu, var), the
+// channel's cell statistics mu_it and var_it, ratios lambda and 1 - lambda, weight and bias.
+template <typename T>
+inline T token_output(T x, T mu, T var, T mean_it, T var_it, T lam_m, T kap_m, T lam_v, T kap_v,
+                      T w, T b, T e) {
+  const T rstd = T(1) / std::sqrt(kap_v * var_it + e + lam_v * var);
+  return (x - lam_m * mu - kap_m * mean_it) * rstd * w + b;
+}
+
 template <typename T, bool RAW>
 void forward_impl(const torch::Tensor& x, const torch::Tensor& mean_ln,
                   const torch::Tensor& var_ln, const torch::Tensor& first,
@@ -124,11 +133,9 @@ void forward_impl(const torch::Tensor& x, const torch::Tensor& mean_ln,
 #pragma omp simd
             for (int64_t k = 0; k < g.d; ++k) {
               const int64_t c = c0 + k;
-              const T mean_it = fh[k] + pcen[b * g.C + c];
-              const T var_it = inter_token_variance<T, RAW>(fh[k], qh[k]);
-              // Eq. 5 inside Eq. 4
-              const T rstd = T(1) / std::sqrt(kap_v[c] * var_it + e + lam_v[c] * var);
-              yt[c] = (xt[c] - lam_m[c] * mu - kap_m[c] * mean_it) * rstd * pw[c] + pb[c];
+              yt[c] = token_output(xt[c], mu, var, fh[k] + pcen[b * g.C + c],
+                                   inter_token_variance<T, RAW>(fh[k], qh[k]), lam_m[c],
+                                   kap_m[c], lam_v[c], kap_v[c], pw[c], pb[c], e);
             }
           }
         }
@@ -773,7 +780,6 @@ inline void prefetch(const T* p, int64_t n) {
   for (int64_t k = 0; k < n; k += 64 / sizeof(T)) __builtin_prefetch(p + k, WRITE ? 1 : 0);
 }
 
-// Rows of tiles, row r in slot r % size.
 // Scratch memory of the calling thread, slot ``slot``, kept for the next call: freshly allocated
 // memory costs a page fault per 4 KiB when first written.
 template <typename T>
@@ -783,6 +789,7 @@ T* thread_scratch(int slot, int64_t n) {
   return buffers[slot].data();
 }
 
+// Rows of tiles, row r in slot r % size, in the calling thread's scratch slot ``slot``.
 template <typename T>
 struct TileRing {
   T* data;
@@ -948,12 +955,10 @@ void tokens_forward_impl(const TokenPassTensors& t, const torch::Tensor& bias, i
             prefetch<T, true>(yt + W * C, d);
           }
 #pragma omp simd
-          for (int64_t k = 0; k < d; ++k) {
-            const T var_it = inter_token_variance<T, true>(f[k], q[k]);
-            // Eq. 5 inside Eq. 4
-            const T rstd = T(1) / std::sqrt(kv[k] * var_it + o.eps + lv[k] * var);
-            yt[k] = (xt[k] - lm[k] * mu - km[k] * (f[k] + cen[k])) * rstd * w[k] + bb[k];
-          }
+          for (int64_t k = 0; k < d; ++k)
+            yt[k] = token_output(xt[k], mu, var, f[k] + cen[k],
+                                 inter_token_variance<T, true>(f[k], q[k]), lm[k], km[k], lv[k],
+                                 kv[k], w[k], bb[k], o.eps);
         }
       }
     }
@@ -1001,7 +1006,7 @@ void tokens_backward_impl(const TokenPassTensors& t, const torch::Tensor& grad, 
       std::fill(s.begin(), s.end(), T(0));
       std::fill(acc, acc + acc_size, T(0));
       int64_t next_u = 0, next_k = 0;
-      // row k of dL/du: the gradient of P_x, and P_x^T dL/du into dx
+      // row r of dL/du: its share of the gradient of P_x, and P_x^T dL/du into dx
       auto du_row = [&](int64_t r) {
         combine_rows(py + r, H, o.y_cols[h * H + r], dm, du);
         const auto in = o.moments(task, r);
