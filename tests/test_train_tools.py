@@ -22,7 +22,8 @@ import torch.nn as nn
 from mmengine.config import Config
 
 import mmdtn  # noqa: F401
-from mmdtn.engine import CPUDistributedDataParallel, init_cpu_process_group, setup_distributed
+from mmdtn.engine import (CPUDistributedDataParallel, close_distributed, init_cpu_process_group,
+                          setup_distributed)
 from tiny_datasets import (det_overrides, env_for_subprocess, make_coco, make_seg,
                            write_config)
 
@@ -286,5 +287,6 @@ def test_setup_distributed_cpu_gloo(monkeypatch):
         ddp(torch.randn(2, 3, 8, 8)).sum().backward()
         assert all(p.grad is not None for p in ddp.parameters())
     finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        close_distributed()
+    assert not torch.distributed.is_initialized()
+    close_distributed()  # without a group: nothing to do

@@ -19,6 +19,7 @@ from copy import deepcopy
 import mmdtn  # noqa: F401  (first: registers mmdtn's modules, weights_only checkpoint loading)
 from mmengine.config import Config, ConfigDict, DictAction
 
+from mmdtn.engine import close_distributed
 from mmdtn.engine.runner import build_runner, fail
 
 
@@ -139,7 +140,10 @@ def main(argv=None):
     if scope == 'mmdet' and args.out is not None:
         from mmdet.evaluation import DumpDetResults
         runner.test_evaluator.metrics.append(DumpDetResults(out_file_path=args.out))
-    runner.test()
+    try:
+        runner.test()
+    finally:
+        close_distributed()
 
 
 if __name__ == '__main__':

@@ -17,6 +17,7 @@ import mmdtn  # noqa: F401  (first: registers mmdtn's modules, weights_only chec
 import torch
 from mmengine.config import Config, DictAction
 
+from mmdtn.engine import close_distributed
 from mmdtn.engine.runner import build_runner, fail
 
 
@@ -101,7 +102,10 @@ def main(argv=None):
     if cfg.get('val_cfg') and cfg.get('val_dataloader') and cfg.get('val_evaluator'):
         phases.append('val')
     runner = build_runner(cfg, args.launcher, phases, RUNNERS)
-    runner.train()
+    try:
+        runner.train()
+    finally:
+        close_distributed()
 
 
 if __name__ == '__main__':

@@ -15,6 +15,11 @@ DistributedDataParallel with ``device_ids=[LOCAL_RANK]``. Both fail on a CPU-onl
    (SyncBatchNorm has no CPU implementation; batch statistics stay per process).
 
 With CUDA available nothing changes: mmengine's own path (nccl by default) is used.
+
+mmengine never destroys the process group. :func:`close_distributed` does, at the end of
+``tools/train.py`` and ``tools/test.py``, on every backend: left to the interpreter's shutdown,
+gloo's worker threads may still hold tensors and abort a process that finished its work (SIGABRT,
+"terminate called without an active exception"), failing the whole launch.
 """
 import datetime
 import os
@@ -27,7 +32,7 @@ from mmengine.model import MMDistributedDataParallel, revert_sync_batchnorm
 from mmengine.registry import MODEL_WRAPPERS
 
 __all__ = ['CPUDistributedDataParallel', 'init_cpu_process_group', 'setup_distributed',
-           'needs_cpu_distributed']
+           'needs_cpu_distributed', 'close_distributed']
 
 
 @MODEL_WRAPPERS.register_module()
@@ -114,3 +119,9 @@ def setup_distributed(cfg, launcher: str) -> None:
     wrapper.setdefault('broadcast_buffers', False)
     wrapper.setdefault('find_unused_parameters', cfg.get('find_unused_parameters', False))
     cfg.model_wrapper_cfg = wrapper
+
+
+def close_distributed() -> None:
+    """Destroy the default process group, if one exists (see the module docstring)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
