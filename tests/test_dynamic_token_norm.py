@@ -122,8 +122,9 @@ def test_positional_matrix_is_dense_softmax_and_stochastic():
 
 
 def test_negligible_positional_weights_are_exact_zeros():
-    """Weights below 2e-22 of their row's maximum become exact zeros instead of subnormal floats
-    (which would slow matrix products down); the matrix stays a softmax to float64 precision."""
+    """Weights below eps * 2^-26 of their row's maximum (eps of the dtype) become exact zeros
+    instead of subnormal floats (which would slow matrix products down); the matrix stays a softmax
+    to the dtype's precision."""
     norm = DynamicTokenNorm(8, 4).double()
     with torch.no_grad():
         norm.pos_coef.copy_(torch.tensor([[-1.0, 2.0, 0.0], [-3.0, 0.0, -2.0],
@@ -132,10 +133,24 @@ def test_negligible_positional_weights_are_exact_zeros():
     assert torch.allclose(P, dense_positional_matrix(norm.pos_coef, 40, 60), atol=1e-15, rtol=0)
     assert torch.allclose(P.sum(-1), torch.ones_like(P[..., 0]), atol=1e-12)
     assert (P == 0).any() and (P[3] > 0).all()  # the near-uniform head keeps every weight
-    for p in norm.float().axis_matrices((40, 60)):
-        row_max = p.amax(-1, keepdim=True)
-        assert torch.all((p == 0) | (p >= math.exp(-50.0) * 0.999 * row_max))
-        assert not torch.any((p != 0) & (p < torch.finfo(torch.float32).tiny))
+    for dtype, smallest in [(torch.float64, 2.0**-78), (torch.float32, 2.0**-49)]:
+        for p in norm.to(dtype).axis_matrices((40, 60)):
+            row_max = p.amax(-1, keepdim=True)
+            assert torch.all((p == 0) | (p >= smallest * 0.999 * row_max))
+            assert not torch.any((p != 0) & (p < torch.finfo(dtype).tiny))
+    # float32: the kept weights are the softmax's to float32 rounding, the dropped ones negligible
+    P32 = norm.float().positional_matrix((40, 60)).double()
+    ref = dense_positional_matrix(norm.double().pos_coef, 40, 60).detach()
+    kept = P32 != 0
+    assert torch.allclose(P32[kept], ref[kept], rtol=1e-6, atol=0)
+    limit = (2.0**-49 * 1.01) * ref.amax(-1, keepdim=True).expand_as(ref)
+    assert (ref[~kept] <= limit[~kept]).all()
+    # the paper's initialisation, logits -(k - D)^2: 11 weights per row in float32, 15 in float64
+    fresh = DynamicTokenNorm(8, 4)
+    for dtype, kept in [(torch.float32, 11), (torch.float64, 15)]:
+        p_y, p_x = fresh.to(dtype).axis_matrices((40, 60))
+        assert ((p_x[:, 20:40] != 0).sum(-1) == kept).all(), dtype
+        assert ((p_y[:, 15:25] != 0).sum(-1) == kept).all(), dtype
 
 
 def test_layernorm_limit():

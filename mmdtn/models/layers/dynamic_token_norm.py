@@ -27,10 +27,10 @@ Implementation notes:
   with pooling also the (small) cell moments and statistics. Without pooling, where those are as
   large as x, they are recomputed; the PyTorch implementation keeps u = P_x T, the costliest part
   to recompute with dense products, and the CPU kernels never store them at all (below).
-- P_x^h and P_y^h are band matrices: far from its peak a row's weights are exact zeros (with the
-  paper's initialisation about 15 per row are nonzero, on any grid). On CPUs the products with
-  them, with their transposes and their gradients skip the zeros (banded C++ kernels), unless a
-  head's band spans most of the axis.
+- P_x^h and P_y^h are band matrices: far from its peak a row's weights are exact zeros
+  (:func:`_softmax`; with the paper's initialisation 11 per row are nonzero in float32, on any
+  grid). On CPUs the products with them, with their transposes and their gradients skip the zeros
+  (banded C++ kernels), unless a head's band spans most of the axis.
 - The full-resolution passes (Eq. 2; Eqs. 4-5 with the cell statistics; the two backward passes)
   run on CPUs in fused C++ kernels (``dynamic_token_norm_cpu.cpp``, built by ``pip install``, with
   AVX-512 variants chosen at run time), one pass over memory each. Elsewhere, or with
@@ -77,8 +77,9 @@ __all__ = ['DynamicTokenNorm', 'neighbourhood_offsets', 'LAYERNORM_GATE_LOGIT']
 #: gradients, so the layer stays LayerNorm unless the gates are lowered (e.g. to 0) for fine-tuning.
 LAYERNORM_GATE_LOGIT = 40.0
 
-# Positional logits this far below their row maximum get weight exactly 0 (see _softmax).
-_LOGIT_CUTOFF = -50.0
+#: Positional weights below eps(dtype) * 2^-_CUTOFF_MARGIN_BITS of their row's maximum are exact
+#: zeros (see _softmax): 2^-49 = 1.8e-15 in float32, 2^-78 = 3.3e-24 in float64.
+_CUTOFF_MARGIN_BITS = 26
 
 
 def neighbourhood_offsets(num_heads):
@@ -618,8 +619,8 @@ class _Band:
     """Products with one axis factor P (nP, L, L) of Eq. 6 that skip its exact zeros.
 
     Far from its peak every row of P is exact zeros (:func:`_softmax`): with the paper's
-    initialisation only about 15 of a row's L weights are nonzero, on any grid. On CPUs with the
-    fused kernels, products with P and P^T and the gradient of P visit only the nonzero span of
+    initialisation only 11 of a row's L weights are nonzero (float32), on any grid. On CPUs with
+    the fused kernels, products with P and P^T and the gradient of P visit only the nonzero span of
     every row; the result is exact, since outside it P contributes nothing and the softmax passes
     no gradient through a zero weight. Wide bands (P spread over the whole axis), other devices and
     traced graphs (FLOP counters) use dense batched products.
@@ -970,10 +971,15 @@ class _DynamicTokenNormFunction(torch.autograd.Function):
 
 
 def _softmax(logits):
-    """Row softmax whose weights below exp(_LOGIT_CUTOFF) = 2e-22 of the row maximum are exact 0.
+    """Row softmax whose weights below eps * 2^-26 of the row maximum are exact zeros, with eps the
+    resolution of the logits' dtype (2^-23 for float32, 2^-52 for float64).
 
-    Dropping them changes a row by less than 2e-22 times its length, below float64's resolution.
-    Kept, such weights times small features give subnormal floats, which slow matrix products on
-    CPUs down by 2x and more; zeros cost nothing."""
+    A dropped weight w < eps 2^-26 w_max changes a weighted sum by w v, below the resolution
+    eps w_max v_max of its peak term unless the feature v is 2^26 (6.7e7) times larger than v_max,
+    the feature at the peak. Kept, such weights times small features give subnormal floats, which
+    slow matrix products on CPUs down by 2x and more; zeros cost nothing, and the banded kernels
+    skip them. With the paper's initialisation (logits -(k - D)^2 at
+    distance k) this keeps 11 weights per row in float32 and 15 in float64, on any grid."""
+    cutoff = math.log(torch.finfo(logits.dtype).eps) - _CUTOFF_MARGIN_BITS * math.log(2.0)
     shifted = logits - logits.detach().amax(dim=-1, keepdim=True)
-    return torch.softmax(shifted.masked_fill(shifted < _LOGIT_CUTOFF, -math.inf), dim=-1)
+    return torch.softmax(shifted.masked_fill(shifted < cutoff, -math.inf), dim=-1)
