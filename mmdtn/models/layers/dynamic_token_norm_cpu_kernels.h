@@ -919,7 +919,13 @@ struct OwnHeadPass {
   // m row i of task k into ``m``, forming the rows of u it needs (next: the next row of u)
   void m_row(const HeadTask& k, int64_t i, TileRing<T>& u, int64_t& next, T* m) const {
     const auto span = y_rows[k.h * H + i];
-    for (; next < span.second; ++next) band_row(bx, k.h, d, moments(k, next), u[next]);
+    for (; next < span.second; ++next) {
+      if (next + 1 < H) {  // the x of the next row of u, strided: the prefetchers miss it
+        const T* xn = x + (k.b * H + next + 1) * W * C + k.c0;
+        for (int64_t j = 0; j < W; ++j) prefetch<T>(xn + j * C, d);
+      }
+      band_row(bx, k.h, d, moments(k, next), u[next]);
+    }
     combine_rows(py + (k.h * H + i) * H, int64_t(1), span, u, m);
   }
 };
@@ -1016,6 +1022,10 @@ void tokens_backward_impl(const TokenPassTensors& t, const torch::Tensor& grad, 
           const T* xt = in.x + j * C;
           T* dxt = pdx + ((b * H + r) * W + j) * C + c0;
           const T *t0 = dT + j * d, *t1 = t0 + Wd;
+          if (r + 1 < H) {
+            prefetch<T>(xt + W * C, d);
+            prefetch<T, true>(dxt + W * C, d);
+          }
 #pragma omp simd
           for (int64_t e = 0; e < d; ++e) dxt[e] += t0[e] + T(2) * (xt[e] - cen[e]) * t1[e];
         }
