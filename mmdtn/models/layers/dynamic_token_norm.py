@@ -978,8 +978,8 @@ def _softmax(logits):
     eps w_max v_max of its peak term unless the feature v is 2^26 (6.7e7) times larger than v_max,
     the feature at the peak. Kept, such weights times small features give subnormal floats, which
     slow matrix products on CPUs down by 2x and more; zeros cost nothing, and the banded kernels
-    skip them. With the paper's initialisation (logits -(k - D)^2 at
-    distance k) this keeps 11 weights per row in float32 and 15 in float64, on any grid."""
+    skip them. With the paper's initialisation (logits -(k - D)^2 at distance k) this keeps 11
+    weights per row in float32 and 15 in float64, on any grid."""
     cutoff = math.log(torch.finfo(logits.dtype).eps) - _CUTOFF_MARGIN_BITS * math.log(2.0)
     shifted = logits - logits.detach().amax(dim=-1, keepdim=True)
     return torch.softmax(shifted.masked_fill(shifted < cutoff, -math.inf), dim=-1)
