@@ -921,7 +921,7 @@ struct OwnHeadPass {
     const auto span = y_rows[k.h * H + i];
     for (; next < span.second; ++next) {
       if (next + 1 < H) {  // the x of the next row of u, strided: the prefetchers miss it
-        const T* xn = x + (k.b * H + next + 1) * W * C + k.c0;
+        const T* xn = moments(k, next + 1).x;
         for (int64_t j = 0; j < W; ++j) prefetch<T>(xn + j * C, d);
       }
       band_row(bx, k.h, d, moments(k, next), u[next]);
