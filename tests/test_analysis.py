@@ -20,6 +20,7 @@ from mmdtn.analysis.attention import (grid_positions, mean_attention_distance, m
                                       window_output, window_positions)
 from mmdtn.analysis.capture import AttentionRecorder, record
 from mmdtn.analysis.models import build_backbone, load_config
+from mmdtn.models.layers.dtn.flops import dtn_flops
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 
@@ -283,15 +284,6 @@ def test_variation_coefficient_tool(files, tmp_path):
 
 
 # ----------------------------------------------------------------- complexity
-def formula(c, g, hw, s):
-    """DTN FLOPs of one layer as documented in mmdtn/analysis/flops.py (factorised P^h)."""
-    n = hw[0] * hw[1]
-    h, w = -(-hw[0] // s), -(-hw[1] // s)
-    t = h * w
-    return (5 + 1 + (2 if s > 1 else 0) + 4) * n * c + 2 * c * t * (h + w) + 2 * c * t \
-        + 4 * g * (h * h + w * w)
-
-
 def test_complexity_dtn_flops_follow_the_pooled_grid(files, tmp_path):
     complexity = tool('complexity')
     results = {}
@@ -308,7 +300,7 @@ def test_complexity_dtn_flops_follow_the_pooled_grid(files, tmp_path):
         expected, ln_counted = 0, 0
         for stage, (c, s) in enumerate(zip(channels, pools)):
             hw = (size // 4 // 2 ** stage, ) * 2
-            expected += 2 * formula(c, 4, hw, s)  # norm1 and norm2
+            expected += 2 * dtn_flops(1, c, 4, hw, s)  # norm1 and norm2
             ln_counted += 2 * 5 * hw[0] * hw[1] * c  # mmengine's LayerNorm count in the twin
         dtn = rows[('model', 'backbone')]
         assert dtn['dtn_flops'] == expected
@@ -319,7 +311,7 @@ def test_complexity_dtn_flops_follow_the_pooled_grid(files, tmp_path):
             hw, (ph, pw) = layer['hw_shape'], layer['pooled_shape']
             s = pools[int(re.search(r'layers\.(\d+)', layer['name']).group(1))]
             assert (ph, pw) == (-(-hw[0] // s), -(-hw[1] // s))
-            assert layer['flops'] == formula(layer['channels'], 4, hw, s)
+            assert layer['flops'] == dtn_flops(1, layer['channels'], 4, hw, s)
             assert layer['flops_dense'] > layer['flops'] or (ph, pw) == (1, 1)
         if size == 64:
             assert set(rows) == {('model', 'backbone'), ('model', 'model'), ('LN twin', 'backbone'),
@@ -363,6 +355,22 @@ def test_complexity_of_a_swin_backbone_and_its_twin(files, tmp_path):
     assert rows['model']['dtn_flops'] == sum(layer['flops'] for layer in result['dtn_layers'])
     assert rows['LN twin']['dtn_flops'] == 0 and rows['model']['flops'] > rows['LN twin']['flops']
 
+
+def test_complexity_and_benchmark_report_the_same_flops(tmp_path):
+    """tools/analysis/complexity.py (backbone from a config) and benchmark_backbones.py (backbone
+    from the registry) count the same DTN backbone alike: one DTN formula for every tool."""
+    cfg = tmp_path / 'pvtv2_b0_dtn.py'
+    cfg.write_text("custom_imports = dict(imports=['mmdtn'], allow_failed_imports=False)\n"
+                   "model = dict(backbone=dict(type='PyramidVisionTransformerV2DTN', "
+                   'embed_dims=32, num_layers=[2, 2, 2, 2]))\n')
+    result = tool('complexity').run([str(cfg), '--size', '64', '96', '--out', str(tmp_path)])
+    rows = {r['role']: r for r in result['rows']}
+    benchmark = tool('benchmark_backbones').count_flops('pvtv2_b0', (64, 96))
+    assert benchmark['dtn'] == (rows['model']['params'], rows['model']['flops'])
+    assert benchmark['ln'] == (rows['LN twin']['params'], rows['LN twin']['flops'])
+    assert rows['model']['dtn_flops'] == sum(
+        dtn_flops(1, layer['channels'], layer['num_heads'], layer['hw_shape'], layer['pool_size'])
+        for layer in result['dtn_layers'])
 
 def test_images_follow_the_config_normalisation_and_channel_order():
     from mmengine.config import Config

@@ -1,13 +1,12 @@
 """Cost of the DTN backbones against mmdet's stock LayerNorm backbones, side by side in one run.
 
-Prints three tables:
+Prints two tables:
 
-1. parameters and FLOPs at 224 x 224 and 800 x 1344 (batch 1). FLOPs are counted by mmengine's
-   ``FlopAnalyzer`` on the stock backbone (one multiply-add = one FLOP, LayerNorm = 5 per element,
-   plus a handle for ``scaled_dot_product_attention``, which the analyzer does not know); for the
-   DTN backbone the analyzer's count of every replaced LayerNorm is swapped for DTN's own count
-   (:func:`dtn_flops`, from the shapes each DTN layer sees in a forward pass), and Dual PatchNorm's
-   patch statistics are added likewise;
+1. parameters and FLOPs at 224 x 224 and 800 x 1344 (batch 1), counted as
+   ``tools/analysis/complexity.py`` counts them (:func:`mmdtn.analysis.flops.complexity`):
+   mmengine's ``FlopAnalyzer`` (one multiply-add = one FLOP, LayerNorm = 5 per element), with
+   every DynamicTokenNorm call counted by the one DTN formula,
+   ``mmdtn/models/layers/dtn/flops.py``;
 2. forward + backward time of one training iteration and peak memory.
 
    - Time: a fresh process builds both backbones and alternates them iteration by iteration, so
@@ -71,76 +70,19 @@ def build(name, variant, **extra):
     return model
 
 
-def dtn_flops(norm, batch, hw_shape):
-    """FLOPs of one DynamicTokenNorm call on (batch, H*W, C) tokens (multiply-add = 1).
-
-    Per token and channel: intra-token mean/variance (3), pooling of x and x^2 (3 if s > 1), the
-    mixing of Eq. 5 (4) and the normalisation of Eq. 4 (5); per pooled cell and channel: centring,
-    inter-token variance and gating (8); and the positional matrix applied to both moments as two
-    axis products (Eq. 6 factorised): 2 * C * T * (Hp + Wp) multiply-adds for T = Hp * Wp cells.
-    Building P_y and P_x costs ~6 * heads * (Hp^2 + Wp^2).
-    """
-    H, W = hw_shape
-    C = norm.num_features
-    Hp, Wp = norm.pooled_shape(hw_shape)
-    N, T = H * W, Hp * Wp
-    per_token = 3 + (3 if norm.pool_size > 1 else 0) + 4 + 5
-    flops = per_token * N * C + 8 * T * C + 2 * C * T * (Hp + Wp)
-    return batch * flops + 6 * norm.num_heads * (Hp * Hp + Wp * Wp)
-
-
-def dpn_flops(conv, batch, out_hw):
-    """Extra FLOPs of Dual PatchNorm over the plain projection: the two box sums of the patch
-    statistics (per output position: 2 * D), the input square/sum (2 * C_in per pixel, counted
-    per output position * stride^2) and the per-output-channel correction (3 per output)."""
-    D = conv.patch_norm.normalized_shape[0]
-    out = out_hw[0] * out_hw[1]
-    stride = conv.stride[0] * conv.stride[1]
-    return batch * (out * 2 * D + out * stride * 2 * conv.in_channels + 3 * out * conv.out_channels)
-
-
-def sdpa_flop_handle(inputs, outputs):
-    """``aten::scaled_dot_product_attention``: Q K^T and A V, 2 * B * heads * Nq * Nk * d."""
-    from mmengine.analysis.jit_handles import get_shape
-    q, k = get_shape(inputs[0]), get_shape(inputs[1])
-    return 2 * math.prod(q[:-1]) * k[-2] * q[-1]
-
-
 def count_flops(name, size):
-    """(params, flops) of the stock and the DTN backbone at ``size`` (batch 1)."""
-    from mmengine.analysis import FlopAnalyzer
-    from mmdtn.models.layers import DynamicTokenNorm
-    from mmdtn.models.layers.dual_patchnorm import PatchNormConv2d
+    """``{variant: (params, flops)}`` of the stock backbone ('ln'), its DTN twin ('dtn') and the
+    twin with Dual PatchNorm ('dtn+dpn') at ``size`` (batch 1), counted by
+    :func:`mmdtn.analysis.flops.complexity` as ``tools/analysis/complexity.py`` counts them."""
+    from mmdtn.analysis.flops import complexity
     x = torch.randn(1, 3, *size)
     result = {}
-    stock = build(name, 'ln')
-    stock.eval()  # (mmdet's Swin.train() returns None: no chaining)
-    analyzer = FlopAnalyzer(stock, (x, ))
-    analyzer.set_op_handle('aten::scaled_dot_product_attention', sdpa_flop_handle)
-    analyzer.unsupported_ops_warnings(False).uncalled_modules_warnings(False)
-    stock_total, by_module = analyzer.total(), analyzer.by_module()
-    result['ln'] = (sum(p.numel() for p in stock.parameters()), stock_total)
-
-    for variant, extra in (('dtn', {}), ('dtn+dpn', dict(dual_patchnorm=True))):
-        model = build(name, 'dtn', **extra)
-        model.eval()
-        calls = []
-        hooks = [m.register_forward_hook(
-            lambda m, args, out, n=n: calls.append((n, m, args))) for n, m in model.named_modules()
-            if isinstance(m, (DynamicTokenNorm, PatchNormConv2d))]
-        with torch.no_grad():
-            model(x)
-        for h in hooks:
-            h.remove()
-        total = stock_total
-        for n, m, args in calls:
-            if isinstance(m, DynamicTokenNorm):
-                total += dtn_flops(m, args[0].shape[0], args[1]) - by_module.get(n, 0)
-            else:
-                out_hw = [(s + 2 * p - d * (k - 1) - 1) // st + 1 for s, p, d, k, st in zip(
-                    args[0].shape[2:], m.padding, m.dilation, m.kernel_size, m.stride)]
-                total += dpn_flops(m, args[0].shape[0], out_hw)
-        result[variant] = (sum(p.numel() for p in model.parameters()), total)
+    for variant, base, extra in (('ln', 'ln', {}), ('dtn', 'dtn', {}),
+                                 ('dtn+dpn', 'dtn', dict(dual_patchnorm=True))):
+        model = build(name, base, **extra)
+        model.eval()  # (mmdet's Swin.train() returns None: no chaining)
+        counts = complexity(model, x)
+        result[variant] = (counts['params'], counts['flops'])
     return result
 
 
