@@ -16,9 +16,10 @@ from mmengine.config import ConfigDict
 import mmdtn  # noqa: F401
 from mmdtn.models.backbones import (PyramidVisionTransformerDTN, PyramidVisionTransformerV2DTN,
                                     SwinTransformerDTN)
-from mmdtn.models.backbones.pretrained import (load_pretrained, pvt_checkpoint_to_mmdet,
-                                               swin_checkpoint_to_mmdet, timm_pvt_v2_to_official,
-                                               timm_swin_to_official)
+from mmdtn.models.backbones.pretrained import (load_pretrained, load_state_dict_checked,
+                                               pvt_checkpoint_to_mmdet, swin_checkpoint_to_mmdet,
+                                               timm_pvt_v2_to_official, timm_swin_to_official)
+from mmdtn.models.layers import DTN_ONLY_PARAMETERS, DynamicTokenNorm
 
 PVT_TINY_1 = dict(num_layers=[1, 1, 1, 1])  # PVT-Tiny widths, one layer per stage
 PVTV2_B0 = dict(embed_dims=32, num_layers=[2, 2, 2, 2])  # timm's pvt_v2_b0
@@ -202,6 +203,31 @@ def test_shape_mismatch_names_key_and_shapes(tmp_path):
                        r'\(64, 3, 4, 4\) vs model \(32, 3, 4, 4\)'):
         model.init_weights()
 
+
+def test_dtn_only_parameters_are_the_layers_parameters_beyond_layernorm():
+    names = {n for n, _ in DynamicTokenNorm(8, 2).named_parameters()}
+    assert names - {'weight', 'bias'} == set(DTN_ONLY_PARAMETERS)
+
+
+def test_strict_loading_refuses_partial_weights_and_loads_nothing(log):
+    """The analysis tools' mode: every key must fit but DTN-only ones, which keep their init."""
+    sd = dict(PyramidVisionTransformer(**PVT_TINY_1).state_dict())
+    del sd['layers.0.1.1.norm1.bias']
+    sd['head.weight'] = torch.zeros(3)
+    model = PyramidVisionTransformerDTN(**PVT_TINY_1, convert_weights=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r'(?s)1 checkpoint key\(s\) not in the model: head\.weight'
+                       r'.*1 model key\(s\) missing from the checkpoint: '
+                       r'layers\.0\.1\.1\.norm1\.bias'):
+        load_state_dict_checked(model, sd, log[0], strict=True)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    report = load_state_dict_checked(model, sd, log[0])  # the backbones' init: logged, not refused
+    assert report.unused == ['head.weight'] and report.missing == ['layers.0.1.1.norm1.bias']
+    del sd['head.weight']
+    sd['layers.0.1.1.norm1.bias'] = before['layers.0.1.1.norm1.bias']
+    report = load_state_dict_checked(model, sd, log[0], strict=True)
+    assert report.dtn_initialised and all(k.rsplit('.', 1)[1] in DTN_ONLY_PARAMETERS
+                                          for k in report.dtn_initialised)
 
 def test_missing_file_and_bad_init_cfg(tmp_path):
     model = SwinTransformerDTN(**SWIN_S, init_cfg=pretrained(tmp_path / 'nope.pth'))

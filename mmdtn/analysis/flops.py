@@ -12,6 +12,7 @@ import math
 import torch
 from torch import nn
 
+from mmdtn.models.layers import DTN_ONLY_PARAMETERS
 from mmdtn.models.layers.dtn.flops import dtn_flops
 from .models import count_parameters, dtn_layers
 
@@ -62,8 +63,8 @@ def sdpa_flop_handle(inputs, outputs):
 
 
 def _dtn_param_count(model):
-    return sum(p.numel() for _, m in dtn_layers(model)
-               for n, p in m.named_parameters() if n not in ('weight', 'bias'))
+    return sum(getattr(m, name).numel() for _, m in dtn_layers(model)
+               for name in DTN_ONLY_PARAMETERS)
 
 
 def _layer_flops(layer, dense=False):

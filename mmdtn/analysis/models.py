@@ -15,17 +15,13 @@ import torch
 from torch import nn
 
 import mmdtn  # noqa: F401  (registers mmdtn's modules and the safe checkpoint loading)
+from mmdtn.models.layers import DynamicTokenNorm
 
 __all__ = [
     'load_config', 'build_backbone', 'build_model', 'load_weights', 'dtn_layers', 'require_dtn',
     'transformer_blocks', 'Block', 'norm_labels', 'ln_twin_config', 'is_dtn', 'count_parameters',
-    'run',
-    'DTN_ONLY_PARAMETERS'
+    'run'
 ]
-
-#: Parameters that only DTN has; an LN checkpoint loaded into a DTN backbone lacks them and they
-#: keep the initialisation the config asks for (``dtn_init``).
-DTN_ONLY_PARAMETERS = ('mean_gate', 'var_gate', 'pos_coef')
 
 
 def load_config(path):
@@ -102,74 +98,33 @@ def _quiet(fn):
         logger.setLevel(level)
 
 
-def _state_dict_of(checkpoint):
-    for key in ('state_dict', 'model'):
-        if isinstance(checkpoint, dict) and isinstance(checkpoint.get(key), dict):
-            return checkpoint[key]
-    return checkpoint
-
-
-def _fmt(keys, limit=12):
-    keys = sorted(keys)
-    more = f' ... and {len(keys) - limit} more' if len(keys) > limit else ''
-    return ', '.join(keys[:limit]) + more
-
-
-def load_weights(model, checkpoint_path, prefix='backbone.', config_path='config'):
+def load_weights(model, checkpoint_path, config_path='config'):
     """Load a checkpoint into ``model`` (the backbone), checking that it fits the config.
 
-    The checkpoint may be a whole model's (keys ``backbone.*`` are taken) or the backbone's own.
-    Unexpected keys, missing keys and shape mismatches raise :class:`ValueError` naming them, with
-    one exception: DTN-only parameters (:data:`DTN_ONLY_PARAMETERS`) missing from an LN checkpoint
-    keep their configured initialisation, with a warning. Returns the list of such keys.
+    The checkpoint may be a whole model's (keys ``backbone.*`` are taken) or the backbone's own;
+    it is read and loaded by the backbones' own reader in its strict mode
+    (:func:`~mmdtn.models.backbones.pretrained.load_state_dict_checked`): unexpected keys,
+    missing keys and shape mismatches raise :class:`ValueError` naming them, except DTN-only
+    parameters missing from an LN checkpoint, which keep their configured initialisation, with a
+    warning. Returns the :class:`~mmdtn.models.backbones.pretrained.LoadReport`.
     """
-    from mmengine.runner import CheckpointLoader
-    if not osp.isfile(checkpoint_path):
-        raise FileNotFoundError(f'checkpoint file not found: {checkpoint_path}')
-    state = _state_dict_of(CheckpointLoader.load_checkpoint(checkpoint_path, map_location='cpu'))
-    if not isinstance(state, dict) or not state:
-        raise ValueError(f'{checkpoint_path} holds no state dict')
-    state = {re.sub(r'^module\.', '', k): v for k, v in state.items()}
-    if prefix and any(k.startswith(prefix) for k in state):
-        state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-    own = model.state_dict()
-    unexpected = [k for k in state if k not in own]
-    missing = [k for k in own if k not in state]
-    tolerated = [k for k in missing if k.rsplit('.', 1)[-1] in DTN_ONLY_PARAMETERS]
-    missing = [k for k in missing if k not in tolerated]
-    shapes = [f'{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}'
-              for k in state if k in own and hasattr(state[k], 'shape')
-              and tuple(state[k].shape) != tuple(own[k].shape)]
-    problems = []
-    if unexpected:
-        problems.append(f'{len(unexpected)} key(s) not in the model: {_fmt(unexpected)}')
-    if missing:
-        problems.append(f'{len(missing)} model key(s) missing from the checkpoint: {_fmt(missing)}')
-    if shapes:
-        problems.append(f'{len(shapes)} shape mismatch(es): {_fmt(shapes)}')
-    if problems:
-        raise ValueError(f'checkpoint {checkpoint_path} does not match the backbone of '
-                         f'{config_path}:\n  ' + '\n  '.join(problems))
-    if tolerated:
-        warnings.warn(f'{checkpoint_path} has no DTN gates/positional coefficients for '
-                      f'{len(tolerated)} key(s) ({_fmt(tolerated, 4)}); they keep the configured '
-                      f'initialisation')
-    model.load_state_dict(state, strict=False)
-    return tolerated
-
-
-def _dtn_class():
+    from mmdtn.models.backbones.pretrained import load_state_dict_checked, read_state_dict
+    state = read_state_dict(checkpoint_path)
     try:
-        from mmdtn.models.layers.dynamic_token_norm import DynamicTokenNorm
-    except ImportError:  # pragma: no cover - only while the layer is missing
-        return None
-    return DynamicTokenNorm
+        report = load_state_dict_checked(model, state, logger='silent', strict=True)
+    except ValueError as e:
+        raise ValueError(f'checkpoint {checkpoint_path} does not match the backbone of '
+                         f'{config_path}: {e}') from None
+    if report.dtn_initialised:
+        warnings.warn(f'{checkpoint_path} has no DTN gates/positional coefficients for '
+                      f'{len(report.dtn_initialised)} key(s) (e.g. {report.dtn_initialised[0]}); '
+                      f'they keep the configured initialisation')
+    return report
 
 
 def is_dtn(module):
     """Whether ``module`` is a :class:`~mmdtn.DynamicTokenNorm`."""
-    cls = _dtn_class()
-    return cls is not None and isinstance(module, cls)
+    return isinstance(module, DynamicTokenNorm)
 
 
 def dtn_layers(model):

@@ -34,8 +34,7 @@ from mmdet.models.backbones.swin import swin_converter
 from mmengine.logging import MMLogger, print_log
 from mmengine.runner.checkpoint import CheckpointLoader
 
-from ..layers.dual_patchnorm import PatchNormConv2d
-from ..layers.dynamic_token_norm import DynamicTokenNorm
+from ..layers import DTN_ONLY_PARAMETERS, DynamicTokenNorm, PatchNormConv2d
 from ..layers.reference_compat import convert_reference_state_dict
 
 __all__ = [
@@ -44,7 +43,6 @@ __all__ = [
     'timm_swin_to_official'
 ]
 
-DTN_ONLY_PARAMS = ('mean_gate', 'var_gate', 'pos_coef')
 # Buffers a model computes from its own configuration (timm does not save them).
 DERIVED_BUFFERS = ('relative_position_index', )
 
@@ -206,34 +204,40 @@ def swin_checkpoint_to_mmdet(state_dict: Mapping, convert_weights: bool,
 
 
 # ---------------------------------------------------------------------------------- loading
-def load_state_dict_checked(model: nn.Module, state_dict: Mapping, logger=None) -> LoadReport:
-    """Load ``state_dict`` (mmdet names) into ``model`` non-strictly and report every key.
+def _listed(keys, limit=12):
+    more = f' ... and {len(keys) - limit} more' if len(keys) > limit else ''
+    return ', '.join(keys[:limit]) + more
+
+
+def load_state_dict_checked(model: nn.Module, state_dict: Mapping, logger=None,
+                            strict: bool = False) -> LoadReport:
+    """Load ``state_dict`` (mmdet names) into ``model`` and report every key.
+
+    DTN-only parameters (:data:`~mmdtn.models.layers.DTN_ONLY_PARAMETERS`) missing from the
+    checkpoint keep their configured initialisation, and buffers the model derives from its
+    configuration need not be there. The report goes to ``logger`` (``'silent'``: nowhere).
+
+    Args:
+        strict: also refuse checkpoint keys the model does not have and any other model key
+            the checkpoint lacks (a Dual PatchNorm patch LayerNorm included), as the analysis
+            tools need: weights that only partly fit would give silently wrong results.
 
     Raises:
-        ValueError: a key present in both with different shapes (all such keys are named, each
-            with the checkpoint's and the model's shape).
+        ValueError: nothing is loaded if a key is present in both with different shapes (each is
+            named with both shapes), or, with ``strict``, if any key is missing or unused.
     """
     model_state = model.state_dict()
-    mismatched = [f'{k}: checkpoint {tuple(v.shape)} vs model {tuple(model_state[k].shape)}'
-                  for k, v in state_dict.items()
-                  if k in model_state and v.shape != model_state[k].shape]
-    if mismatched:
-        raise ValueError(f'shape mismatch loading weights into {type(model).__name__}: ' +
-                         '; '.join(mismatched))
-    result = model.load_state_dict(state_dict, strict=False)
-
     dtn_keys, dpn_keys = set(), set()
     for name, module in model.named_modules():
         prefix = name + '.' if name else ''
         if isinstance(module, DynamicTokenNorm):
-            dtn_keys.update(prefix + p for p in DTN_ONLY_PARAMS)
+            dtn_keys.update(prefix + p for p in DTN_ONLY_PARAMETERS)
         elif isinstance(module, PatchNormConv2d):
             dpn_keys.update(prefix + 'patch_norm.' + k for k in module.patch_norm.state_dict())
-    report = LoadReport(unused=list(result.unexpected_keys))
-    missing = set(result.missing_keys)
-    report.loaded = [k for k in state_dict if k in model_state]
+    report = LoadReport(loaded=[k for k in state_dict if k in model_state],
+                        unused=[k for k in state_dict if k not in model_state])
     for key in model_state:
-        if key not in missing:
+        if key in state_dict:
             continue
         if key in dtn_keys:
             report.dtn_initialised.append(key)
@@ -245,6 +249,22 @@ def load_state_dict_checked(model: nn.Module, state_dict: Mapping, logger=None) 
             report.missing.append(key)
 
     name = type(model).__name__
+    mismatched = [f'{k}: checkpoint {tuple(v.shape)} vs model {tuple(model_state[k].shape)}'
+                  for k, v in state_dict.items()
+                  if k in model_state and v.shape != model_state[k].shape]
+    problems = [f'{len(mismatched)} shape mismatch(es): ' + '; '.join(mismatched)] \
+        if mismatched else []
+    if strict and report.unused:
+        problems.append(f'{len(report.unused)} checkpoint key(s) not in the model: '
+                        + _listed(report.unused))
+    if strict and (report.missing or report.dpn_initialised):
+        absent = report.missing + report.dpn_initialised
+        problems.append(f'{len(absent)} model key(s) missing from the checkpoint: '
+                        + _listed(absent))
+    if problems:
+        raise ValueError(f'the weights do not fit {name}:\n  ' + '\n  '.join(problems))
+    model.load_state_dict(state_dict, strict=False)
+
     print_log(f'{name}: loaded {len(report.loaded)} of {len(model_state)} tensors',
               logger=logger)
     if report.dtn_initialised:

@@ -14,26 +14,19 @@ twice :func:`dtn_flops`.
 For B images of N = H * W tokens with C channels in G heads, pooling size s and the pooled grid
 h x w = ceil(H / s) x ceil(W / s) of T = h * w cells:
 
-==========================  =============================  ==========================================
-term                        FLOPs                          what
-==========================  =============================  ==========================================
-``intra_token``             B (3 N C + 3 N)                Eq. 2: x^2, the means of x and x^2 over the
-                                                           C channels, var = E[x^2] - mu^2 per token
-``pooling``                 B (2 N C + 2 T C) if s > 1     App. B.1: average pooling of x and x^2
-                                                           (sum, then one division per cell)
-``positional_factors``      6 G (h^2 + w^2)                Eq. 6: logits a1 d^2 + a2 d along each
-                                                           axis (2 per entry) and their softmax (4:
-                                                           shift, exp, sum, divide)
-``positional_products``     2 B C T (h + w)                Eq. 5: P^h x and P^h x^2, P^h applied as
-                                                           P_y (kron) P_x, one product along W and one
-                                                           along H: C T (h + w) multiply-adds each
-``inter_token_variance``    B T C                          Eq. 5: P x^2 - (P x)^2
-``mixing``                  B 4 N C + 2 G                  Eq. 5: lambda = sigmoid(gate) per head, and
-                                                           lambda mu_ln + (1 - lambda) P x for the mean
-                                                           and the variance (2 per element each)
-``normalisation``           B 5 N C                        Eq. 4: x - mu, sigma^2 + eps, its inverse
-                                                           square root, the product, gamma y + beta
-==========================  =============================  ==========================================
+* ``intra_token`` (Eq. 2), B (3 N C + 3 N): x^2, the means of x and x^2 over the C channels and
+  var = E[x^2] - mu^2 of every token;
+* ``pooling`` (App. B.1), B (2 N C + 2 T C) if s > 1, else 0: average pooling of x and x^2 (a
+  sum, then one division per cell);
+* ``positional_factors`` (Eq. 6), 6 G (h^2 + w^2): the logits a1 d^2 + a2 d along each axis
+  (2 per entry) and their softmax (4: shift, exp, sum, divide);
+* ``positional_products`` (Eq. 5), 2 B C T (h + w): P^h x and P^h x^2 with P^h applied as
+  P_y (kron) P_x, one matrix product along W and one along H, C T (h + w) multiply-adds each;
+* ``inter_token_variance`` (Eq. 5), B T C: P x^2 - (P x)^2;
+* ``mixing`` (Eq. 5), 4 B N C + 2 G: lambda = sigmoid(gate) per head, then
+  lambda mu_ln + (1 - lambda) P x for the mean and the variance (2 per element each);
+* ``normalisation`` (Eq. 4), 5 B N C: x - mu, sigma^2 + eps, its inverse square root, the
+  product, gamma y + beta.
 
 Without pooling (s = 1, T = N) that is 13 FLOPs per token and channel plus the positional products,
 2 (H + W) per token and channel; with pooling 14 per token and channel plus O(C T (h + w)).
@@ -54,7 +47,7 @@ __all__ = ['dtn_flop_terms', 'dtn_flops']
 
 
 def dtn_flop_terms(batch, channels, num_heads, hw_shape, pool_size=1, *, dense=False):
-    """FLOPs of one DynamicTokenNorm call by term (the module docstring's table).
+    """FLOPs of one DynamicTokenNorm call by term (listed in the module docstring).
 
     Args:
         batch (int): images B.
