@@ -1,5 +1,6 @@
 """The DTN backbones: registry builds, drop-in outputs, norm placement, gradients, checkpointing."""
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from mmengine.registry import DefaultScope
 import mmdtn  # noqa: F401
 from mmdtn.models.backbones import (PyramidVisionTransformerDTN, PyramidVisionTransformerV2DTN,
                                     SwinTransformerDTN)
-from mmdtn.models.backbones.dtn_blocks import dtn_stage_settings
+from mmdtn.models.backbones.dtn_blocks import DTNStageSettings, dtn_stage_settings
 from mmdtn.models.layers import DynamicTokenNorm
 from mmdtn.models.layers.dual_patchnorm import PatchNormConv2d
 
@@ -100,23 +101,71 @@ def test_default_stage_settings_follow_the_paper():
 
 
 @pytest.mark.parametrize('kwargs, match', [
-    (dict(dtn_heads=[4, 4]), 'one value per stage'),
+    (dict(dtn_heads=[4, 4]), r'dtn_heads must be .* one value per stage \(4 stages\)'),
     (dict(dtn_stages=[0, 1, 1, 0]), 'bools'),
-    (dict(dtn_pool_sizes=0), 'positive int'),
-    (dict(dtn_init='ln'), 'dtn_init'),
-    (dict(dtn_heads=3), r'DTN heads \(3\) must divide the embedding dims \(64\)'),
+    (dict(dtn_pool_sizes=0), 'DTN of stage 1: 64 channels with dtn_heads=4, dtn_pool_sizes=0'),
+    (dict(dtn_init='ln'), "DTN of stage 1: .*dtn_init='ln'"),
+    (dict(dtn_heads=3), 'DTN of stage 1: 64 channels with dtn_heads=3'),
 ])
 def test_bad_settings_are_named(kwargs, match):
+    """The layer checks the values; the backbone names the argument that set them."""
     with pytest.raises(ValueError, match=match):
         PyramidVisionTransformerDTN(num_layers=[1, 1, 1, 1], **kwargs)
 
 
 def test_stage_settings_helper():
     s = dtn_stage_settings(2, True, [2, 4], 1, 'layernorm')
-    assert s == [dict(num_heads=2, pool_size=1, init='layernorm', reference_compat=False),
-                 dict(num_heads=4, pool_size=1, init='layernorm', reference_compat=False)]
+    assert s == [DTNStageSettings(2, 1, 'layernorm'), DTNStageSettings(4, 1, 'layernorm')]
     s = dtn_stage_settings(2, [False, True], 3, [4, 2], 'paper', dtn_reference_compat=True)
-    assert s == [None, dict(num_heads=3, pool_size=2, init='paper', reference_compat=True)]
+    assert s == [None, DTNStageSettings(num_heads=3, pool_size=2, init='paper',
+                                        reference_compat=True)]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s[1].num_heads = 4
+
+
+# mmdet's arguments for other architectures than the default: the DTN defaults follow them.
+STOCK_VARIANTS = {
+    'pvt heads [1, 2, 4, 8]': (PyramidVisionTransformer, PyramidVisionTransformerDTN,
+                               dict(num_layers=[1, 1, 1, 1], num_heads=[1, 2, 4, 8]),
+                               [(4, 4), (4, 2), (4, 1), None]),
+    'pvtv2 heads [1, 2, 4, 8]': (PyramidVisionTransformerV2, PyramidVisionTransformerV2DTN,
+                                 dict(embed_dims=32, num_layers=[1, 1, 1, 1],
+                                      num_heads=[1, 2, 4, 8]),
+                                 [(4, 4), (4, 2), (4, 1), None]),
+    'pvt 3 stages': (PyramidVisionTransformer, PyramidVisionTransformerDTN,
+                     dict(num_stages=3, num_layers=[1, 1, 1], num_heads=[1, 2, 5],
+                          patch_sizes=[4, 2, 2], strides=[4, 2, 2], sr_ratios=[8, 4, 2],
+                          out_indices=(0, 1, 2)),
+                     [(4, 4), (4, 2), (5, 1)]),
+    'pvt 5 stages, odd widths': (PyramidVisionTransformer, PyramidVisionTransformerDTN,
+                                 dict(embed_dims=6, num_stages=5, num_layers=[1] * 5,
+                                      num_heads=[1, 2, 3, 4, 6], patch_sizes=[4, 2, 2, 2, 1],
+                                      strides=[4, 2, 2, 2, 1], paddings=[0] * 5,
+                                      sr_ratios=[8, 4, 2, 1, 1],
+                                      mlp_ratios=[2] * 5, out_indices=(0, 1, 2, 3, 4)),
+                                 [(1, 4), (4, 2), (3, 1), None, None]),
+    'swin 3 stages': (SwinTransformer, SwinTransformerDTN,
+                      dict(embed_dims=48, depths=(2, 2, 2), num_heads=(3, 6, 12),
+                           strides=(4, 2, 2), out_indices=(0, 1, 2)),
+                      [(3, 4), (6, 2), (12, 1)]),
+}
+
+
+@pytest.mark.parametrize('variant', list(STOCK_VARIANTS))
+def test_drop_in_for_other_stock_architectures(variant):
+    stock_cls, dtn_cls, kwargs, expected = STOCK_VARIANTS[variant]
+    torch.manual_seed(0)
+    stock = stock_cls(**kwargs)
+    dtn = dtn_cls(**kwargs)
+    found = []
+    for settings in dtn.dtn_settings:
+        found.append(None if settings is None else (settings.num_heads, settings.pool_size))
+    assert found == expected
+    stock.eval()
+    dtn.eval()
+    x = torch.randn(1, 3, 64, 96)
+    with torch.no_grad():
+        assert [o.shape for o in dtn(x)] == [o.shape for o in stock(x)]
 
 
 @pytest.mark.parametrize('name', list(CASES))

@@ -25,10 +25,19 @@ def _arg(args, kwargs, index, name):
 
 
 class _Hooks:
+    """Hooks on the transformer blocks of ``model``; ``_hw`` holds each block's last hw_shape."""
 
-    def __init__(self):
+    def __init__(self, model):
         self._handles = []
         self.records = []
+        self.blocks = transformer_blocks(model)
+        self._hw = {}
+
+    def _hw_hook(self, block, index):
+        """Pre-hook keeping ``hw_shape`` (argument ``index``) of a call under the block's name."""
+        def hook(module, args, kwargs):
+            self._hw[block.name] = _arg(args, kwargs, index, 'hw_shape')
+        return hook
 
     def clear(self):
         self.records = []
@@ -62,21 +71,14 @@ class NormRecorder(_Hooks):
     """Records input and output of ``norm1``/``norm2`` of every transformer block of ``model``."""
 
     def __init__(self, model):
-        super().__init__()
-        self.blocks = transformer_blocks(model)
-        self._hw = {}
+        super().__init__(model)
         for block in self.blocks:
             self._handles.append(block.module.register_forward_pre_hook(
-                self._block_hook(block), with_kwargs=True))
+                self._hw_hook(block, 1), with_kwargs=True))
             for norm_name in ('norm1', 'norm2'):
                 norm = getattr(block.module, norm_name)
                 self._handles.append(norm.register_forward_hook(
                     self._norm_hook(block, norm_name), with_kwargs=True))
-
-    def _block_hook(self, block):
-        def hook(module, args, kwargs):
-            self._hw[block.name] = _arg(args, kwargs, 1, 'hw_shape')
-        return hook
 
     def _norm_hook(self, block, norm_name):
         def hook(module, args, kwargs, output):
@@ -159,11 +161,9 @@ class AttentionRecorder(_Hooks):
     """Records the inputs of every attention module of the transformer blocks of ``model``."""
 
     def __init__(self, model):
-        super().__init__()
+        super().__init__(model)
         from mmdet.models.backbones.pvt import SpatialReductionAttention
         from mmdet.models.backbones.swin import ShiftWindowMSA
-        self.blocks = transformer_blocks(model)
-        self._hw = {}
         for block in self.blocks:
             attn = block.module.attn
             if isinstance(attn, SpatialReductionAttention):
@@ -179,11 +179,6 @@ class AttentionRecorder(_Hooks):
             else:
                 raise ValueError(f'{block.name}: attention {type(attn).__name__} is not supported '
                                  f'(SpatialReductionAttention or ShiftWindowMSA)')
-
-    def _hw_hook(self, block, index):
-        def hook(module, args, kwargs):
-            self._hw[block.name] = _arg(args, kwargs, index, 'hw_shape')
-        return hook
 
     def _mha_hook(self, block, sra):
         def hook(module, args, kwargs):

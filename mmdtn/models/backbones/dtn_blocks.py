@@ -12,6 +12,7 @@ subclass (the technique PyTorch's FSDP2 ``fully_shard`` uses), swapping ``norm1`
 ``DynamicTokenNorm`` modules in DTN stages. The new norms keep the attribute names, so an LN
 checkpoint's ``norm1.weight``/``norm1.bias`` land on DTN's affine ``weight``/``bias``.
 """
+from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Union
 
 import torch.nn as nn
@@ -21,12 +22,36 @@ from ..layers import DynamicTokenNorm
 
 __all__ = ['DTNStageSettings', 'dtn_stage_settings', 'TokenNormBlockMixin']
 
-DTN_INITS = ('paper', 'layernorm')
 
+@dataclass(frozen=True)
+class DTNStageSettings:
+    """DTN settings of one stage: the arguments of its ``DynamicTokenNorm`` layers.
 
-class DTNStageSettings(dict):
-    """DTN settings of one stage: ``num_heads``, ``pool_size``, ``init``, ``reference_compat``
-    (a plain dict)."""
+    The layer checks them; :meth:`norm_like` names the backbone arguments they come from when it
+    refuses them.
+    """
+    num_heads: int
+    pool_size: int = 1
+    init: str = 'paper'
+    reference_compat: bool = False
+
+    def norm_like(self, norm: nn.Module) -> DynamicTokenNorm:
+        """A ``DynamicTokenNorm`` replacing the LayerNorm ``norm`` (same features, eps, device
+        and dtype)."""
+        if not isinstance(norm, nn.LayerNorm) or len(norm.normalized_shape) != 1:
+            raise ValueError('DTN replaces the LayerNorms of the blocks; norm_cfg built '
+                             f'{norm!r} instead')
+        channels = norm.normalized_shape[0]
+        try:
+            dtn = DynamicTokenNorm(channels, self.num_heads, pool_size=self.pool_size,
+                                   eps=norm.eps, init=self.init,
+                                   reference_compat=self.reference_compat)
+        except ValueError as e:
+            raise ValueError(f'{channels} channels with dtn_heads={self.num_heads!r}, '
+                             f'dtn_pool_sizes={self.pool_size!r}, dtn_init={self.init!r}: '
+                             f'{e}') from None
+        return dtn.to(device=norm.weight.device, dtype=norm.weight.dtype) \
+            if norm.weight is not None else dtn
 
 
 def _per_stage(value, num_stages: int, name: str) -> list:
@@ -41,12 +66,13 @@ def _per_stage(value, num_stages: int, name: str) -> list:
 def dtn_stage_settings(num_stages: int,
                        dtn_stages: Union[bool, Sequence[bool]],
                        dtn_heads: Union[int, Sequence[int]],
-                       dtn_pool_sizes: Union[int, Sequence[int]],
-                       dtn_init: Union[str, Sequence[str]],
+                       dtn_pool_sizes: Union[int, Sequence[int]] = 1,
+                       dtn_init: Union[str, Sequence[str]] = 'paper',
                        dtn_reference_compat: bool = False) -> List[Optional[DTNStageSettings]]:
-    """Validate the per-stage DTN settings of a backbone.
+    """The per-stage DTN settings of a backbone from its ``dtn_*`` arguments.
 
-    Each setting is a single value for all stages or a list with one value per stage.
+    Each setting is a single value for all stages or a list with one value per stage; the values
+    themselves are checked by ``DynamicTokenNorm`` when the stage's layers are built.
 
     Args:
         num_stages: number of stages of the backbone.
@@ -60,41 +86,13 @@ def dtn_stage_settings(num_stages: int,
         one entry per stage: ``None`` for a LayerNorm stage, else a :class:`DTNStageSettings`.
     """
     stages = _per_stage(dtn_stages, num_stages, 'dtn_stages')
-    heads = _per_stage(dtn_heads, num_stages, 'dtn_heads')
-    pools = _per_stage(dtn_pool_sizes, num_stages, 'dtn_pool_sizes')
-    inits = _per_stage(dtn_init, num_stages, 'dtn_init')
-    settings = []
-    for i, (use, h, s, init) in enumerate(zip(stages, heads, pools, inits)):
-        if not isinstance(use, bool):
-            raise ValueError(f'dtn_stages must hold bools (one per stage), got {dtn_stages!r}')
-        if not use:
-            settings.append(None)
-            continue
-        if not isinstance(h, int) or h < 1:
-            raise ValueError(f'dtn_heads of stage {i} must be a positive int, got {h!r}')
-        if not isinstance(s, int) or s < 1:
-            raise ValueError(f'dtn_pool_sizes of stage {i} must be a positive int, got {s!r}')
-        if init not in DTN_INITS:
-            raise ValueError(f'dtn_init of stage {i} must be one of {DTN_INITS}, got {init!r}')
-        settings.append(DTNStageSettings(num_heads=h, pool_size=s, init=init,
-                                         reference_compat=bool(dtn_reference_compat)))
-    return settings
-
-
-def dtn_like(norm: nn.Module, settings: DTNStageSettings) -> DynamicTokenNorm:
-    """A ``DynamicTokenNorm`` replacing the LayerNorm ``norm`` (same features and eps)."""
-    if not isinstance(norm, nn.LayerNorm) or len(norm.normalized_shape) != 1:
-        raise ValueError('DTN replaces the LayerNorms of the blocks; norm_cfg built '
-                         f'{norm!r} instead')
-    num_features = norm.normalized_shape[0]
-    if num_features % settings['num_heads']:
-        raise ValueError(f'DTN heads ({settings["num_heads"]}) must divide the embedding dims '
-                         f'({num_features})')
-    dtn = DynamicTokenNorm(num_features, settings['num_heads'], pool_size=settings['pool_size'],
-                           eps=norm.eps, init=settings['init'],
-                           reference_compat=settings.get('reference_compat', False))
-    return dtn.to(device=norm.weight.device, dtype=norm.weight.dtype) \
-        if norm.weight is not None else dtn
+    if not all(isinstance(use, bool) for use in stages):
+        raise ValueError(f'dtn_stages must hold bools (one per stage), got {dtn_stages!r}')
+    values = zip(stages, _per_stage(dtn_heads, num_stages, 'dtn_heads'),
+                 _per_stage(dtn_pool_sizes, num_stages, 'dtn_pool_sizes'),
+                 _per_stage(dtn_init, num_stages, 'dtn_init'))
+    return [DTNStageSettings(h, s, init, bool(dtn_reference_compat)) if use else None
+            for use, h, s, init in values]
 
 
 class TokenNormBlockMixin:
@@ -121,8 +119,8 @@ class TokenNormBlockMixin:
         if with_cp is not None:
             block.with_cp = with_cp
         if settings is not None:
-            block.norm1 = dtn_like(block.norm1, settings)
-            block.norm2 = dtn_like(block.norm2, settings)
+            block.norm1 = settings.norm_like(block.norm1)
+            block.norm2 = settings.norm_like(block.norm2)
         return block
 
     @staticmethod

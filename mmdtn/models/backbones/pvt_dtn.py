@@ -6,15 +6,13 @@ three stages of PVT, the last stage keeps LayerNorm; App. B.1: pooling sizes 4 a
 two stages). Patch-embedding norms, the spatial-reduction norms and the stage output norms stay
 LayerNorm. Optionally Dual PatchNorm on the stage-1 patch embedding.
 """
-from typing import Sequence, Union
-
 from mmdet.models.backbones.pvt import (PVTEncoderLayer, PyramidVisionTransformer,
                                         PyramidVisionTransformerV2)
 
 from mmdtn.registry import register_model
-from ..layers.dual_patchnorm import add_dual_patchnorm
-from .dtn_blocks import TokenNormBlockMixin, dtn_stage_settings
-from .pretrained import load_pretrained, pvt_checkpoint_to_mmdet
+from .dtn_backbone import DTNBackboneMixin, default_pool_sizes
+from .dtn_blocks import TokenNormBlockMixin
+from .pretrained import pvt_checkpoint_to_mmdet
 
 __all__ = ['PVTEncoderLayerDTN', 'PyramidVisionTransformerDTN', 'PyramidVisionTransformerV2DTN']
 
@@ -39,40 +37,32 @@ class PVTEncoderLayerDTN(TokenNormBlockMixin, PVTEncoderLayer):
         return self.run(inner_forward, x)
 
 
-class _PVTDTNMixin:
-    """DTN/DPN settings, block conversion and checkpoint loading shared by PVT and PVTv2."""
+class _PVTDTNMixin(DTNBackboneMixin):
+    """Where PVT and PVTv2 keep what :class:`DTNBackboneMixin` needs, and their DTN defaults."""
 
-    def __init__(self,
-                 *args,
-                 dtn_stages: Union[bool, Sequence[bool]] = (True, True, True, False),
-                 dtn_heads: Union[int, Sequence[int]] = (4, 4, 5, 8),
-                 dtn_pool_sizes: Union[int, Sequence[int]] = (4, 2, 1, 1),
-                 dtn_init: Union[str, Sequence[str]] = 'paper',
-                 dtn_reference_compat: bool = False,
-                 dual_patchnorm: bool = False,
-                 with_cp: bool = False,
-                 **kwargs):
-        super().__init__(*args, **kwargs)
-        self.dtn_settings = dtn_stage_settings(self.num_stages, dtn_stages, dtn_heads,
-                                               dtn_pool_sizes, dtn_init, dtn_reference_compat)
-        self.with_cp = with_cp
-        for (_, blocks, _), settings in zip(self.layers, self.dtn_settings):
-            for block in blocks:
-                if isinstance(block, PVTEncoderLayer):  # not the AbsolutePositionEmbedding
-                    PVTEncoderLayerDTN.convert(block, settings, with_cp=with_cp)
-        self.dual_patchnorm = dual_patchnorm
-        if dual_patchnorm:
-            add_dual_patchnorm(self.layers[0][0])
+    dtn_block = PVTEncoderLayerDTN
 
-    def init_weights(self):
-        """From scratch as mmdet's PVT; ``init_cfg=dict(type='Pretrained', checkpoint=...)``
-        loads official PVT/PVTv2, timm ``pvt_v2_*`` or mmdet checkpoints (see
-        :func:`mmdtn.models.backbones.pretrained.load_pretrained`)."""
-        if self.init_cfg is None:
-            super().init_weights()
-        else:
-            load_pretrained(self, self.init_cfg,
-                            lambda sd: pvt_checkpoint_to_mmdet(sd, self.convert_weights))
+    def stage_blocks(self):
+        return [[b for b in blocks if isinstance(b, PVTEncoderLayer)]  # not the position embedding
+                for _, blocks, _ in self.layers]
+
+    def default_dtn_settings(self):
+        """DTN in the first three stages (paper App. A.1, l^dtn = 3: PVT's classifier appends its
+        class token after them); heads: the stage's attention heads, at least 4 where 4 divides
+        its channels (4, 4, 5, 8 in the standard models); pooling 4, 2, then 1 (App. B.1)."""
+        heads = []
+        for attention_heads in self.num_heads:
+            channels = self.embed_dims * attention_heads
+            heads.append(max(4, attention_heads) if channels % max(4, attention_heads) == 0
+                         else attention_heads)
+        return dict(dtn_stages=[i < 3 for i in range(self.num_stages)], dtn_heads=heads,
+                    dtn_pool_sizes=default_pool_sizes(self.num_stages))
+
+    def first_patch_embedding(self):
+        return self.layers[0][0]
+
+    def checkpoint_to_mmdet(self, state_dict):
+        return pvt_checkpoint_to_mmdet(state_dict, self.convert_weights)
 
 
 @register_model
@@ -80,25 +70,14 @@ class PyramidVisionTransformerDTN(_PVTDTNMixin, PyramidVisionTransformer):
     """mmdet's ``PyramidVisionTransformer`` (PVT v1) with DTN and, optionally, Dual PatchNorm.
 
     Accepts every argument of ``mmdet.models.backbones.PyramidVisionTransformer`` with the same
-    meaning and defaults, and returns the same outputs, plus:
+    meaning and defaults, and returns the same outputs, plus the DTN and Dual PatchNorm arguments
+    of :class:`~.dtn_backbone.DTNBackboneMixin` (``with_cp``: mmdet's PVT has none). Their
+    defaults here (:meth:`default_dtn_settings`):
 
-    Args:
-        dtn_stages (bool | Sequence[bool]): which stages use DTN in their encoder layers.
-            Default: (True, True, True, False), the paper's PVT.
-        dtn_heads (int | Sequence[int]): DTN heads (channel groups with their own positional
-            matrix and gates) per stage, independent of the attention heads.
-            Default: (4, 4, 5, 8), the authors' PVT models.
-        dtn_pool_sizes (int | Sequence[int]): pooling size of DTN's inter-token statistics per
-            stage. Default: (4, 2, 1, 1) (paper App. B.1).
-        dtn_init (str | Sequence[str]): 'paper' (Eq. 7, gates 0) or 'layernorm' (a fresh DTN
-            equals LayerNorm: for inserting DTN into an LN-pretrained network). Default: 'paper'.
-        dtn_reference_compat (bool): DTN statistics as the authors' reference code computes them
-            (:mod:`mmdtn.models.layers.reference_compat`), to reproduce models trained with it;
-            checkpoints in that code's format are converted on loading. Default: False.
-        dual_patchnorm (bool): LayerNorm each flattened stage-1 patch before the projection (the
-            LayerNorm after it is kept). Default: False.
-        with_cp (bool): gradient checkpointing of every encoder layer (mmdet's PVT has none).
-            Default: False.
+    - ``dtn_stages``: the first three stages, (True, True, True, False) with four, as the paper;
+    - ``dtn_heads``: the stage's attention heads, at least 4 where 4 divides the stage's channels:
+      (4, 4, 5, 8) in the standard models, as the authors' PVT models;
+    - ``dtn_pool_sizes``: 4, 2, then 1 (paper App. B.1).
     """
 
 
