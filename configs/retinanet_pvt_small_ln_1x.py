@@ -1,5 +1,2 @@
-# RetinaNet, PVT-Small with LayerNorm (stock backbone), COCO 2017, 1x schedule. LN twin of
-# retinanet_pvt_small_dtn_1x.py; mmdet's own recipe, unchanged: AdamW lr 1e-4, weight decay 1e-4,
-# 12 epochs with steps at 8 and 11, 8 GPUs x 2 images (auto_scale_lr base 16), ImageNet weights.
-_base_ = 'mmdet::pvt/retinanet_pvt-s_fpn_1x_coco.py'
-custom_imports = dict(imports=['mmdtn'], allow_failed_imports=False)
+# Former name, kept for existing commands and work dirs.
+_base_ = './retinanet_pvt-s-ln_fpn_1x_coco.py'

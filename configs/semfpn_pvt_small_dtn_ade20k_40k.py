@@ -1,14 +1,2 @@
-# Semantic FPN, PVT-Small with Dynamic Token Normalization (Shao et al., ICLR 2022), ADE20K, 40k
-# iters. The LN twin semfpn_pvt_small_ln_ade20k_40k.py with only the backbone's block norms
-# changed: DTN in stages 1-3 (stage 4 keeps LN), 4/4/5 heads, pool sizes 4/2/1 (the backbone's
-# defaults, paper B.1). DTN's gates and positional coefficients get no weight decay (see
-# _base_/dtn_no_decay.py). The ImageNet checkpoint is the twin's LayerNorm one: DTN takes its LN
-# weight/bias; its gates and positional coefficients start as in the paper (dtn_init='paper': Eq.
-# 7, Algorithm 1, lambda = 0.5), as the LN-equivalent init saturates the gates and would keep DTN a
-# LayerNorm.
-_base_ = ['./semfpn_pvt_small_ln_ade20k_40k.py', './_base_/dtn_no_decay.py']
-custom_imports = dict(imports=['mmdtn'], allow_failed_imports=False)
-model = dict(
-    backbone=dict(type='PyramidVisionTransformerDTN', dtn_init='paper'))
-optim_wrapper = dict(
-    paramwise_cfg=dict(custom_keys={{_base_.dtn_no_decay_keys}}))
+# Former name, kept for existing commands and work dirs.
+_base_ = './fpn_pvt-s-dtn_8xb4-40k_ade20k-512x512.py'

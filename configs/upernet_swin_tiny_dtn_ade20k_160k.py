@@ -1,17 +1,2 @@
-# UperNet, Swin-T with Dynamic Token Normalization (Shao et al., ICLR 2022), ADE20K, 160k
-# iterations. The LN twin upernet_swin_tiny_ln_ade20k_160k.py with only the backbone's block norms
-# changed: DTN in all four stages, heads = the stage's attention heads, pool sizes 4/2/1/1 (the
-# backbone's defaults, paper B.1). mmdtn's Swin is mmdet's class, structurally identical to
-# mmseg's: it loads the same (already converted) checkpoint with convert_weights=False. DTN's gates
-# and positional coefficients get no weight decay (see _base_/dtn_no_decay.py); the stock 'norm'
-# key already removes it from DTN's weight/bias, as from the twin's LayerNorms. The ImageNet
-# checkpoint is the twin's LayerNorm one: DTN takes its LN weight/bias; its gates and positional
-# coefficients start as in the paper (dtn_init='paper': Eq. 7, Algorithm 1, lambda = 0.5), as the
-# LN-equivalent init saturates the gates and would keep DTN a LayerNorm.
-_base_ = ['./upernet_swin_tiny_ln_ade20k_160k.py', './_base_/dtn_no_decay.py']
-custom_imports = dict(imports=['mmdtn'], allow_failed_imports=False)
-model = dict(
-    backbone=dict(
-        type='SwinTransformerDTN', convert_weights=False, dtn_init='paper'))
-optim_wrapper = dict(
-    paramwise_cfg=dict(custom_keys={{_base_.dtn_no_decay_keys}}))
+# Former name, kept for existing commands and work dirs.
+_base_ = './swin-tiny-patch4-window7-in1k-pre-dtn_upernet_8xb2-160k_ade20k-512x512.py'

@@ -16,19 +16,42 @@ from mmengine.optim import build_optim_wrapper
 from mmengine.registry import init_default_scope
 
 import mmdtn  # noqa: F401
+from mmdtn.models.layers import DTN_ONLY_PARAMETERS
 from tiny_datasets import CONFIGS, iter_config_files
 
+
+def _alias_target(path):
+    """The config a former name inherits (a two-line file ``_base_ = './NEW.py'``), or None."""
+    code = [line for line in open(path).read().splitlines() if not line.startswith('#')]
+    if len(code) == 1 and code[0].startswith("_base_ = './"):
+        return osp.join(osp.dirname(path), code[0][len("_base_ = './"):-1])
+    return None
+
+
 ALL = iter_config_files()
-TOP = [p for p in ALL if osp.dirname(p) == CONFIGS]
-DTN = [p for p in TOP if '_dtn_' in osp.basename(p)]
-DET = ['retinanet_pvt_tiny', 'retinanet_pvt_small', 'mask_rcnn_pvt_tiny', 'mask_rcnn_pvt_small',
-       'retinanet_swin_tiny', 'mask_rcnn_swin_tiny', 'retinanet_pvtv2_b0', 'retinanet_pvtv2_b1',
-       'retinanet_pvtv2_b2']
-SEG = ['semfpn_pvt_tiny', 'semfpn_pvt_small']
-DTN_KEYS = ('mean_gate', 'var_gate', 'pos_coef')
-PVT_CHECKPOINTS = {'pvt_tiny': 'pvt_tiny.pth', 'pvt_small': 'pvt_small.pth',
-                   'pvtv2_b0': 'pvt_v2_b0.pth', 'pvtv2_b1': 'pvt_v2_b1.pth',
-                   'pvtv2_b2': 'pvt_v2_b2.pth'}
+ALIASES = {p: _alias_target(p) for p in ALL if _alias_target(p)}
+CONFIGS_PROPER = [p for p in ALL if p not in ALIASES]
+TOP = [p for p in CONFIGS_PROPER if osp.dirname(p) == CONFIGS]
+DTN = [p for p in TOP if '-dtn_' in osp.basename(p)]
+DET = ['retinanet_pvt-t', 'retinanet_pvt-s', 'mask-rcnn_pvt-t', 'mask-rcnn_pvt-s',
+       'retinanet_swin-t-p4-w7', 'mask-rcnn_swin-t-p4-w7', 'retinanet_pvtv2-b0',
+       'retinanet_pvtv2-b1', 'retinanet_pvtv2-b2']
+SEG = ['fpn_pvt-t', 'fpn_pvt-s']
+UPERNET = 'swin-tiny-patch4-window7-in1k-pre-{norm}_upernet_8xb2-160k_ade20k-512x512.py'
+#: The names the configs had before they followed mmdet's and mmseg's naming; users' commands and
+#: work directories still use them.
+FORMER_NAMES = [f'{model}_{backbone}_{norm}_{suffix}.py' for norm in ('dtn', 'ln')
+                for model, backbone, suffix in [
+                    ('retinanet', 'pvt_tiny', '1x'), ('retinanet', 'pvt_small', '1x'),
+                    ('retinanet', 'pvtv2_b0', '1x'), ('retinanet', 'pvtv2_b1', '1x'),
+                    ('retinanet', 'pvtv2_b2', '1x'), ('retinanet', 'swin_tiny', '1x'),
+                    ('mask_rcnn', 'pvt_tiny', '1x'), ('mask_rcnn', 'pvt_small', '1x'),
+                    ('mask_rcnn', 'swin_tiny', '1x'), ('semfpn', 'pvt_tiny', 'ade20k_40k'),
+                    ('semfpn', 'pvt_small', 'ade20k_40k'), ('upernet', 'swin_tiny', 'ade20k_160k')]]
+DTN_KEYS = DTN_ONLY_PARAMETERS
+PVT_CHECKPOINTS = {'pvt-t': 'pvt_tiny.pth', 'pvt-s': 'pvt_small.pth',
+                   'pvtv2-b0': 'pvt_v2_b0.pth', 'pvtv2-b1': 'pvt_v2_b1.pth',
+                   'pvtv2-b2': 'pvt_v2_b2.pth'}
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,17 +75,30 @@ def _models_registry(scope):
 
 def test_expected_files_exist():
     names = {osp.basename(p) for p in TOP}
-    for stem in DET:
-        for norm in ('dtn', 'ln'):
-            assert f'{stem}_{norm}_1x.py' in names
-    for stem in SEG:
-        for norm in ('dtn', 'ln'):
-            assert f'{stem}_{norm}_ade20k_40k.py' in names
     for norm in ('dtn', 'ln'):
-        assert f'upernet_swin_tiny_{norm}_ade20k_160k.py' in names
+        for stem in DET:
+            assert f'{stem}-{norm}_fpn_1x_coco.py' in names
+        for stem in SEG:
+            assert f'{stem}-{norm}_8xb4-40k_ade20k-512x512.py' in names
+        assert UPERNET.format(norm=norm) in names
+    assert len(TOP) == 2 * (len(DET) + len(SEG) + 1)
+    assert set(ALIASES) == {osp.join(CONFIGS, n) for n in FORMER_NAMES}
 
 
-@pytest.mark.parametrize('path', ALL, ids=_name)
+@pytest.mark.parametrize('name', FORMER_NAMES)
+def test_former_names_are_the_renamed_configs(name):
+    path = osp.join(CONFIGS, name)
+    assert path in ALIASES and ALIASES[path] in TOP
+    assert _load(path).to_dict() == _load(ALIASES[path]).to_dict()
+
+
+def test_dtn_no_decay_keys_are_dtns_own_parameters():
+    """configs/_base_/dtn_no_decay.py cannot import DTN_ONLY_PARAMETERS: this pins the two."""
+    keys = _load(osp.join(CONFIGS, '_base_', 'dtn_no_decay.py')).dtn_no_decay_keys
+    assert keys == {name: dict(decay_mult=0.) for name in DTN_ONLY_PARAMETERS}
+
+
+@pytest.mark.parametrize('path', CONFIGS_PROPER, ids=_name)
 def test_config_parses_and_builds(path):
     cfg = _load(path)
     assert cfg.custom_imports == dict(imports=['mmdtn'], allow_failed_imports=False)
@@ -70,10 +106,10 @@ def test_config_parses_and_builds(path):
     model_cfg = copy.deepcopy(cfg.model)
     model = _models_registry(cfg.default_scope).build(model_cfg)
     n_dtn = sum(type(m).__name__ == 'DynamicTokenNorm' for m in model.modules())
-    if '_dtn_' in osp.basename(path):
+    if '-dtn_' in osp.basename(path) or '_dtn_' in osp.basename(path):  # (demo: '_dtn_')
         assert cfg.model.backbone.type.endswith('DTN')
         assert n_dtn > 0
-    elif '_ln_' in osp.basename(path):
+    elif '-ln_' in osp.basename(path):
         assert n_dtn == 0
     if path in TOP:
         # The optimiser builds on the model (paramwise keys and all).
@@ -95,7 +131,7 @@ def _strip_dtn(cfg_dict):
 
 @pytest.mark.parametrize('path', DTN, ids=_name)
 def test_dtn_config_is_its_ln_twin_plus_dtn(path):
-    twin = path.replace('_dtn_', '_ln_')
+    twin = path.replace('-dtn_', '-ln_')
     assert osp.isfile(twin)
     dtn_cfg, ln_cfg = _load(path), _load(twin)
     dtn_d, ln_d = copy.deepcopy(dtn_cfg.to_dict()), copy.deepcopy(ln_cfg.to_dict())
@@ -130,28 +166,28 @@ def _detection_recipe(cfg, lr, wd, betas=None):
 @pytest.mark.parametrize('stem', DET)
 def test_detection_hyper_parameters(stem):
     for norm in ('ln', 'dtn'):
-        cfg = _load(osp.join(CONFIGS, f'{stem}_{norm}_1x.py'))
+        cfg = _load(osp.join(CONFIGS, f'{stem}-{norm}_fpn_1x_coco.py'))
         if 'swin' in stem:
             _detection_recipe(cfg, 1e-4, 0.05, (0.9, 0.999))
             ckpt = cfg.model.backbone.init_cfg.checkpoint
             assert ckpt.endswith('swin_tiny_patch4_window7_224.pth')
             assert cfg.model.backbone.convert_weights is True
-        elif stem.startswith('mask_rcnn'):
+        elif stem.startswith('mask-rcnn'):
             _detection_recipe(cfg, 2e-4, 1e-4)
         else:
             _detection_recipe(cfg, 1e-4, 1e-4)
         if 'pvt' in stem:
-            expect = PVT_CHECKPOINTS[stem[stem.index('pvt'):]]
+            expect = PVT_CHECKPOINTS[stem.split('_')[1]]
             assert cfg.model.backbone.init_cfg.checkpoint == \
                 f'https://github.com/whai362/PVT/releases/download/v2/{expect}'
         metric = cfg.val_evaluator.metric
-        assert metric == (['bbox', 'segm'] if stem.startswith('mask_rcnn') else 'bbox')
+        assert metric == (['bbox', 'segm'] if stem.startswith('mask-rcnn') else 'bbox')
 
 
 @pytest.mark.parametrize('stem', SEG)
 def test_semantic_fpn_hyper_parameters(stem):
     for norm in ('ln', 'dtn'):
-        cfg = _load(osp.join(CONFIGS, f'{stem}_{norm}_ade20k_40k.py'))
+        cfg = _load(osp.join(CONFIGS, f'{stem}-{norm}_8xb4-40k_ade20k-512x512.py'))
         opt = cfg.optim_wrapper.optimizer
         assert opt.type == 'AdamW' and opt.lr == 2e-4 and opt.weight_decay == 1e-4
         (poly,) = cfg.param_scheduler
@@ -177,7 +213,7 @@ def test_upernet_swin_is_mmsegs_recipe():
     stock = get_config(
         'mmseg::swin/swin-tiny-patch4-window7-in1k-pre_upernet_8xb2-160k_ade20k-512x512.py')
     for norm in ('ln', 'dtn'):
-        cfg = _load(osp.join(CONFIGS, f'upernet_swin_tiny_{norm}_ade20k_160k.py'))
+        cfg = _load(osp.join(CONFIGS, UPERNET.format(norm=norm)))
         assert cfg.train_cfg.max_iters == 160000
         assert _plain(cfg.optim_wrapper.optimizer) == _plain(stock.optim_wrapper.optimizer)
         assert _plain(cfg.param_scheduler) == _plain(stock.param_scheduler)
@@ -197,10 +233,10 @@ def _decay_by_name(cfg_path):
     return {n: by_id[id(p)] for n, p in model.named_parameters() if n.startswith('backbone.')}, cfg
 
 
-@pytest.mark.parametrize('stem', ['retinanet_pvt_tiny', 'mask_rcnn_swin_tiny'])
+@pytest.mark.parametrize('stem', ['retinanet_pvt-t', 'mask-rcnn_swin-t-p4-w7'])
 def test_dtn_parameters_weight_decay(stem):
-    dtn, cfg = _decay_by_name(osp.join(CONFIGS, f'{stem}_dtn_1x.py'))
-    ln, _ = _decay_by_name(osp.join(CONFIGS, f'{stem}_ln_1x.py'))
+    dtn, cfg = _decay_by_name(osp.join(CONFIGS, f'{stem}-dtn_fpn_1x_coco.py'))
+    ln, _ = _decay_by_name(osp.join(CONFIGS, f'{stem}-ln_fpn_1x_coco.py'))
     wd = cfg.optim_wrapper.optimizer.weight_decay
     dtn_only = [n for n in dtn if n.rsplit('.', 1)[-1] in DTN_KEYS]
     assert dtn_only, 'no DTN parameters found'

@@ -23,7 +23,7 @@ import os
 import os.path as osp
 import time
 
-from mmengine.config import Config, DictAction
+from mmdtn.engine.cli import add_cfg_options, load_config, set_work_dir
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 CONFIGS = {
@@ -48,9 +48,7 @@ def parse_args(argv=None):
     parser.add_argument('--num-vis', type=int, default=8, help='val images to draw predictions on')
     parser.add_argument('--score-thr', type=float, default=0.4,
                         help='score threshold of the drawings')
-    parser.add_argument('--cfg-options', nargs='+', action=DictAction, metavar='KEY=VALUE',
-                        help='override config settings, as in tools/train.py')
-    return parser.parse_args(argv)
+    return add_cfg_options(parser).parse_args(argv)
 
 
 def set_max_iters(cfg, iters):
@@ -69,9 +67,7 @@ def set_max_iters(cfg, iters):
 
 def build_config(args):
     """The demo config with the command-line settings applied."""
-    cfg = Config.fromfile(CONFIGS[args.model])
-    if args.cfg_options:
-        cfg.merge_from_dict(args.cfg_options)
+    cfg = load_config(CONFIGS[args.model], args.cfg_options)
     data_root = osp.abspath(args.data_root) + os.sep
     for loader in ('train_dataloader', 'val_dataloader', 'test_dataloader'):
         cfg[loader].dataset.data_root = data_root
@@ -79,7 +75,8 @@ def build_config(args):
         cfg[evaluator].ann_file = osp.join(data_root, 'annotations', 'instances_val.json')
     if args.iters is not None:
         set_max_iters(cfg, args.iters)
-    cfg.work_dir = osp.abspath(args.work_dir or osp.join(ROOT, 'work_dirs', f'demo_{args.model}'))
+    cfg.work_dir = osp.abspath(set_work_dir(cfg, args.work_dir,
+                                            osp.join(ROOT, 'work_dirs', f'demo_{args.model}')))
     # the final evaluation is run once, by runner.test() below, not also at the end of training
     cfg.val_cfg = cfg.val_dataloader = cfg.val_evaluator = None
     return cfg

@@ -1,6 +1,6 @@
 """Evaluate a checkpoint with the config's test evaluator: detection (mmdet), segmentation (mmseg).
 
-    python tools/test.py configs/retinanet_pvt_tiny_dtn_1x.py CHECKPOINT [--work-dir DIR]
+    python tools/test.py configs/retinanet_pvt-t-dtn_fpn_1x_coco.py CHECKPOINT [--work-dir DIR]
         [--out FILE_OR_DIR] [--show] [--show-dir DIR] [--cfg-options KEY=VALUE ...]
         [--launcher none|pytorch|slurm] [--tta]
 
@@ -10,25 +10,21 @@ a .pkl file (mmdet's DumpDetResults); segmentation predictions are written as PN
 that directory (IoUMetric's output_dir). ``--show-dir``: painted predictions (detection: under
 work_dir/<timestamp>/, as mmdet; segmentation: under that directory's vis_data/vis_image/).
 """
-import argparse
-import os
 import os.path as osp
 import warnings
 from copy import deepcopy
 
 import mmdtn  # noqa: F401  (first: registers mmdtn's modules, weights_only checkpoint loading)
-from mmengine.config import Config, ConfigDict, DictAction
+from mmengine.config import ConfigDict
 
-from mmdtn.engine import close_distributed
-from mmdtn.engine.runner import build_runner, fail
+from mmdtn.engine.cli import config_of, fail, parse_args, tool_parser
+from mmdtn.engine.runner import build_runner, run
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description='Test (and evaluate) a detector (mmdet) or segmentor (mmseg)')
-    parser.add_argument('config', help='test config file path')
+def parse_test_args(argv=None):
+    parser = tool_parser('Test (and evaluate) a detector (mmdet) or segmentor (mmseg)',
+                         'test config file path', 'the directory to save the evaluation metrics')
     parser.add_argument('checkpoint', help='checkpoint file')
-    parser.add_argument('--work-dir', help='the directory to save the evaluation metrics')
     parser.add_argument(
         '--out', type=str,
         help='detection: dump predictions to this .pkl file; segmentation: write predicted '
@@ -36,19 +32,8 @@ def parse_args(argv=None):
     parser.add_argument('--show', action='store_true', help='show prediction results')
     parser.add_argument('--show-dir', help='directory where painted images will be saved')
     parser.add_argument('--wait-time', type=float, default=2, help='the interval of show (s)')
-    parser.add_argument(
-        '--cfg-options', nargs='+', action=DictAction,
-        help='override settings of the config, key=value pairs; lists as key="[a,b]" or key=a,b')
-    parser.add_argument(
-        '--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'], default='none',
-        help='job launcher')
     parser.add_argument('--tta', action='store_true', help='test-time augmentation')
-    # torch.distributed.launch passes --local-rank (torch >= 2.0) or --local_rank.
-    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
-    args = parser.parse_args(argv)
-    if 'LOCAL_RANK' not in os.environ:
-        os.environ['LOCAL_RANK'] = str(args.local_rank)
-    return args
+    return parse_args(parser, argv)
 
 
 def _seg_visualization(cfg, args):
@@ -94,30 +79,15 @@ def _det_tta(cfg):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if not osp.isfile(args.config):
-        fail(f'config file not found: {args.config!r}')
+    args = parse_test_args(argv)
+    cfg = config_of(args)
     if '://' not in args.checkpoint and not osp.isfile(args.checkpoint):
         fail(f'checkpoint not found: {args.checkpoint!r}')
-    cfg = Config.fromfile(args.config)
-    if args.cfg_options is not None:
-        cfg.merge_from_dict(args.cfg_options)
-    scope = cfg.get('default_scope')
-    if scope not in ('mmdet', 'mmseg'):
-        fail(f"{args.config}: default_scope must be 'mmdet' or 'mmseg' (got {scope!r})")
-
-    # work_dir: command line > config > ./work_dirs/<config name>
-    if args.work_dir is not None:
-        cfg.work_dir = args.work_dir
-    elif cfg.get('work_dir', None) is None:
-        cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(args.config))[0])
     cfg.load_from = args.checkpoint
+    scope = cfg.default_scope
 
     if scope == 'mmdet':
         from mmdet.engine.hooks.utils import trigger_visualization_hook
-        from mmdet.registry import RUNNERS
-        from mmdet.utils import setup_cache_size_limit_of_dynamo
-        setup_cache_size_limit_of_dynamo()
         if args.show or args.show_dir:
             cfg = trigger_visualization_hook(cfg, args)
         if args.tta:
@@ -125,7 +95,6 @@ def main(argv=None):
         if args.out is not None and not args.out.endswith(('.pkl', '.pickle')):
             fail(f'--out must be a .pkl file for detection (got {args.out!r})')
     else:
-        from mmseg.registry import RUNNERS
         if args.show or args.show_dir:
             cfg = _seg_visualization(cfg, args)
         if args.tta:
@@ -136,14 +105,11 @@ def main(argv=None):
             cfg.test_evaluator['output_dir'] = args.out
             cfg.test_evaluator['keep_results'] = True
 
-    runner = build_runner(cfg, args.launcher, ['test'], RUNNERS)
+    runner = build_runner(cfg, args.launcher, ['test'])
     if scope == 'mmdet' and args.out is not None:
         from mmdet.evaluation import DumpDetResults
         runner.test_evaluator.metrics.append(DumpDetResults(out_file_path=args.out))
-    try:
-        runner.test()
-    finally:
-        close_distributed()
+    run(runner, 'test')
 
 
 if __name__ == '__main__':

@@ -28,7 +28,7 @@ if [ -d "$DATA/val" ]; then
 fi
 echo "checkpoint: ${CKPT:-none (random initialisation)}; images: ${IMAGES[*]:-synthetic}"
 
-$PY tools/analysis/complexity.py configs/retinanet_pvt_tiny_dtn_1x.py --size 224 224 --out "$TMP/complexity"
+$PY tools/analysis/complexity.py configs/retinanet_pvt-t-dtn_fpn_1x_coco.py --size 224 224 --out "$TMP/complexity"
 $PY tools/analysis/token_magnitude.py $CONFIG $CKPT "${IMAGES[@]}" --out "$TMP/magnitude"
 $PY tools/analysis/attention_distance.py $CONFIG $CKPT "${IMAGES[@]}" --out "$TMP/distance"
 $PY tools/analysis/positional_attention.py $CONFIG $CKPT --size 128 128 --out "$TMP/positional"

@@ -13,18 +13,21 @@ import torch
 from tqdm import tqdm
 
 from .images import ImageSet
-from .models import build_backbone, load_config, load_weights
+from .models import build_backbone, load_config, load_weights, require_dtn
 
-__all__ = ['IMAGES_HELP', 'parser', 'add_images_args', 'add_compare_arg', 'models_of', 'prepare',
-           'load_backbone', 'images_of',
-           'progress', 'write_csv', 'write_json', 'main']
+__all__ = ['IMAGES_HELP', 'parser', 'add_images_args', 'add_compare_arg', 'models_of', 'parse',
+           'torch_device', 'load_backbone', 'images_of', 'progress', 'write_csv', 'write_json',
+           'write_results', 'main']
 
 IMAGES_HELP = ('folder of images (or one image file) to analyse; without it two deterministic '
                'synthetic images are generated, enough to try the tool but not for conclusions')
 
 
 def parser(tool, description, checkpoint_help='checkpoint (.pth) of the model, a whole detector/'
-           'segmentor or its backbone; without it the backbone is randomly initialised'):
+           'segmentor or its backbone; without it the backbone is randomly initialised',
+           images=False, compare=False):
+    """The common arguments; ``images``/``compare`` add :func:`add_images_args` and
+    :func:`add_compare_arg`."""
     p = argparse.ArgumentParser(description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('config', help='mmdet/mmseg config whose model.backbone is analysed')
@@ -38,6 +41,10 @@ def parser(tool, description, checkpoint_help='checkpoint (.pth) of the model, a
                    help="start from the backbone's init_cfg (e.g. the config's ImageNet "
                         'checkpoint) instead of a random initialisation; CHECKPOINT, if given, '
                         'is loaded on top')
+    if images:
+        add_images_args(p)
+    if compare:
+        add_compare_arg(p)
     return p
 
 
@@ -72,18 +79,33 @@ def models_of(args):
     return [(label, c, ck) for label, (c, ck) in zip(labels, models)]
 
 
-def prepare(args):
-    """Create ``args.out`` and check ``args.device``."""
-    if str(args.device).startswith('cuda') and not torch.cuda.is_available():
-        raise ValueError(f'--device {args.device}: CUDA is not available on this machine')
+def torch_device(device, threads=None):
+    """``torch.device(device)``, refused if it is CUDA on a machine without; ``threads``, if given,
+    sets torch's CPU threads."""
+    if str(device).startswith('cuda') and not torch.cuda.is_available():
+        raise ValueError(f'--device {device}: CUDA is not available on this machine')
+    if threads:
+        torch.set_num_threads(threads)
+    return torch.device(device)
+
+
+def parse(p, argv=None):
+    """``(args, out)``: the parsed command line, with ``--device`` checked and ``--out`` created."""
+    args = p.parse_args(argv)
+    torch_device(args.device)
     os.makedirs(args.out, exist_ok=True)
-    return args.out
+    return args, args.out
 
 
-def load_backbone(config, checkpoint=None, device='cpu', pretrained=False):
-    """``(cfg, backbone)``: the config's backbone with the checkpoint's weights (if given)."""
+def load_backbone(config, checkpoint=None, device='cpu', pretrained=False, dtn_for=None):
+    """``(cfg, backbone)``: the config's backbone with the checkpoint's weights (if given).
+
+    ``dtn_for`` names an analysis that needs DTN: a backbone without DTN layers is refused.
+    """
     cfg = load_config(config)
     model = build_backbone(cfg, device, config_path=config, pretrained=pretrained)
+    if dtn_for is not None:
+        require_dtn(model, config, dtn_for)
     if checkpoint is not None:
         load_weights(model, checkpoint, config_path=config)
     model.eval()  # not chained: some backbones' train() returns None
@@ -116,6 +138,17 @@ def write_json(path, obj):
     with open(path, 'w') as f:
         json.dump(obj, f, indent=1)
     return path
+
+
+def write_results(out, name, rows, plot=None):
+    """Write ``rows`` (a list of dicts) as ``<out>/<name>.csv`` and ``<out>/<name>.json`` and draw
+    ``plot(rows, <out>/<name>.png)`` if given; says so and returns ``rows``."""
+    write_csv(osp.join(out, f'{name}.csv'), rows)
+    write_json(osp.join(out, f'{name}.json'), rows)
+    if plot is not None:
+        plot(rows, osp.join(out, f'{name}.png'))
+    print(f'{name}: {len(rows)} rows written to {out}')
+    return rows
 
 
 def main(run, argv=None):

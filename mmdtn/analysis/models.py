@@ -6,7 +6,6 @@ with mmengine's ``CheckpointLoader``, so the safe ``weights_only`` loading that 
 enables applies. A checkpoint that does not fit the config is refused with the offending keys.
 """
 import copy
-import os.path as osp
 import re
 import warnings
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ import torch
 from torch import nn
 
 import mmdtn  # noqa: F401  (registers mmdtn's modules and the safe checkpoint loading)
+from mmdtn.engine.cli import load_config  # noqa: F401  (the tools' one config reader)
 from mmdtn.models.layers import DynamicTokenNorm
 
 __all__ = [
@@ -22,14 +22,6 @@ __all__ = [
     'transformer_blocks', 'Block', 'norm_labels', 'ln_twin_config', 'is_dtn', 'count_parameters',
     'run'
 ]
-
-
-def load_config(path):
-    """Read an mmengine config (``.py``), importing its ``custom_imports``."""
-    from mmengine.config import Config
-    if not osp.isfile(path):
-        raise FileNotFoundError(f'config file not found: {path}')
-    return Config.fromfile(path)
 
 
 def _scope(cfg):

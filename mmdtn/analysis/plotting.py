@@ -5,7 +5,7 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-__all__ = ['plt', 'save', 'heatmap_grid']
+__all__ = ['plt', 'save', 'heatmap_grid', 'per_layer_axes']
 
 
 def save(fig, path, dpi=80):
@@ -13,6 +13,15 @@ def save(fig, path, dpi=80):
     fig.savefig(path, dpi=dpi, bbox_inches='tight')
     plt.close(fig)
     return path
+
+
+def per_layer_axes(ax, layers, ylabel, legend_size=6):
+    """Label ``ax`` for one value per layer: the layer names under the x axis, ``ylabel``, and
+    the legend."""
+    ax.set_xticks(range(len(layers)))
+    ax.set_xticklabels(layers, rotation=90, fontsize=6)
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.legend(fontsize=legend_size)
 
 
 def heatmap_grid(maps, path, row_labels=(), col_labels=(), title=None, cmap='viridis',

@@ -1,32 +1,35 @@
-"""Building the Runner for ``tools/train.py`` and ``tools/test.py``, with errors a user can act on."""
-import sys
-
+"""Building the Runner for the training and test tools, with errors a user can act on."""
 from mmengine.runner import Runner
 
 from mmdtn.datasets import DatasetFormatError, DatasetNotFoundError, check_datasets
-from .distributed import setup_distributed
+from .cli import fail
+from .distributed import close_distributed, setup_distributed
 
-__all__ = ['build_runner', 'fail']
-
-
-def fail(message: str) -> None:
-    """Stop with a one-paragraph error instead of a traceback."""
-    print(f'error: {message}', file=sys.stderr, flush=True)
-    sys.exit(1)
+__all__ = ['build_runner', 'run']
 
 
-def build_runner(cfg, launcher, phases, runners):
+def _runners(scope):
+    """The ``RUNNERS`` registry of mmdet or mmseg (mmdet's tools also set dynamo's cache limit)."""
+    if scope == 'mmdet':
+        from mmdet.registry import RUNNERS
+        from mmdet.utils import setup_cache_size_limit_of_dynamo
+        setup_cache_size_limit_of_dynamo()
+        return RUNNERS
+    from mmseg.registry import RUNNERS
+    return RUNNERS
+
+
+def build_runner(cfg, launcher, phases):
     """Check the datasets of ``phases``, prepare a multi-process launch, and build the Runner.
 
     Args:
-        cfg (Config): the full config.
+        cfg (Config): the full config (``default_scope`` 'mmdet' or 'mmseg').
         launcher (str): ``'none'``, ``'pytorch'``, ``'slurm'`` or ``'mpi'``.
         phases (list[str]): dataset phases to check before anything is built (``'train'``,
             ``'val'``, ``'test'``).
-        runners (Registry): the ``RUNNERS`` registry of the config's scope, used when the config
-            names a ``runner_type``.
 
-    A missing or broken dataset and an impossible launch stop the program through :func:`fail`.
+    A config naming a ``runner_type`` is built by the ``RUNNERS`` registry of its scope. A missing
+    or broken dataset and an impossible launch stop the program through :func:`~.cli.fail`.
     """
     try:
         check_datasets(cfg, phases)
@@ -36,6 +39,16 @@ def build_runner(cfg, launcher, phases, runners):
         setup_distributed(cfg, launcher)
     except ValueError as e:
         fail(str(e))
+    runners = _runners(cfg.default_scope)
     if 'runner_type' in cfg:
         return runners.build(cfg)
     return Runner.from_cfg(cfg)
+
+
+def run(runner, phase):
+    """``runner.train()`` or ``runner.test()`` (``phase``), then close the process group, also
+    when the phase fails (see :func:`~.distributed.close_distributed`)."""
+    try:
+        return getattr(runner, phase)()
+    finally:
+        close_distributed()

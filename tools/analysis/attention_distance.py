@@ -12,8 +12,8 @@ a dot per head and layer, like the paper's Fig. 2) to ``--out``.
 
 Example::
 
-    python tools/analysis/attention_distance.py configs/retinanet_pvt_tiny_dtn_1x.py ckpt.pth \\
-        --images my_images/ --compare configs/retinanet_pvt_tiny_ln_1x.py ln_ckpt.pth
+    python tools/analysis/attention_distance.py configs/retinanet_pvt-t-dtn_fpn_1x_coco.py \\
+        ckpt.pth --images my_images/ --compare configs/retinanet_pvt-t-ln_fpn_1x_coco.py ln_ckpt.pth
 """
 import os.path as osp
 from collections import defaultdict
@@ -92,19 +92,12 @@ def plot(rows, path):
 
 
 def run(argv=None):
-    p = cli.parser('attention_distance', __doc__)
-    cli.add_images_args(p)
-    cli.add_compare_arg(p)
-    args = p.parse_args(argv)
-    out = cli.prepare(args)
+    args, out = cli.parse(cli.parser('attention_distance', __doc__, images=True, compare=True),
+                          argv)
     rows = []
     for label, config, checkpoint in cli.models_of(args):
         rows += analyse_model(label, config, checkpoint, args)
-    cli.write_csv(osp.join(out, 'attention_distance.csv'), rows)
-    cli.write_json(osp.join(out, 'attention_distance.json'), rows)
-    plot(rows, osp.join(out, 'attention_distance.png'))
-    print(f'mean attention distance of {len(rows)} (layer, head) pairs written to {out}')
-    return rows
+    return cli.write_results(out, 'attention_distance', rows, plot)  # a row per layer and head
 
 
 if __name__ == '__main__':

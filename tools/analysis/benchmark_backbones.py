@@ -40,6 +40,8 @@ import time
 import torch
 from tqdm import tqdm
 
+from mmdtn.analysis.cli import torch_device
+
 # name -> (stock type, DTN type, kwargs shared by both)
 MODELS = {
     'pvt_tiny': ('PyramidVisionTransformer', 'PyramidVisionTransformerDTN',
@@ -206,9 +208,7 @@ def main():
     parser.add_argument('--worker', nargs=4, metavar=('MODEL', 'VARIANT', 'BATCH', 'SIZE'),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = torch_device(args.device, args.threads)
     torch.manual_seed(0)
     if args.worker:
         name, variant, batch, size = args.worker

@@ -16,8 +16,8 @@ RPN proposal of the ``mode='tensor'`` forward, as mmdet's own ``get_flops`` coun
 
 Example (the paper's 224 x 224 and a detection size)::
 
-    python tools/analysis/complexity.py configs/retinanet_pvt_tiny_dtn_1x.py --size 224 224
-    python tools/analysis/complexity.py configs/retinanet_pvt_tiny_dtn_1x.py --size 800 1344
+    python tools/analysis/complexity.py configs/retinanet_pvt-t-dtn_fpn_1x_coco.py --size 224 224
+    python tools/analysis/complexity.py configs/retinanet_pvt-t-dtn_fpn_1x_coco.py --size 800 1344
 """
 import os.path as osp
 
@@ -110,8 +110,7 @@ def run(argv=None):
     p.add_argument('--compare', default=None, metavar='CONFIG2',
                    help='LN twin config (default: derived from CONFIG)')
     p.add_argument('--no-twin', action='store_true', help='analyse CONFIG alone')
-    args = p.parse_args(argv)
-    out = cli.prepare(args)
+    args, out = cli.parse(p, argv)
     cfg = load_config(args.config)
     if args.checkpoint:
         cli.load_backbone(args.config, args.checkpoint, args.device)

@@ -11,8 +11,8 @@ several checkpoints), ``gates.csv`` and ``gates.json`` to ``--out``. Needs a DTN
 
 Example::
 
-    python tools/analysis/gates.py configs/retinanet_pvt_tiny_dtn_1x.py \\
-        work_dirs/retinanet_pvt_tiny_dtn_1x
+    python tools/analysis/gates.py configs/retinanet_pvt-t-dtn_fpn_1x_coco.py \\
+        work_dirs/retinanet_pvt-t-dtn_fpn_1x_coco
 """
 import glob
 import os.path as osp
@@ -21,9 +21,11 @@ import re
 import numpy as np
 
 from mmdtn.analysis import cli
-from mmdtn.analysis.models import (build_backbone, load_config, load_weights, norm_labels,
-                                   require_dtn)
+from mmdtn.analysis.models import norm_labels, require_dtn
 from mmdtn.analysis.plotting import plt, save
+
+CHECKPOINTS_HELP = ('checkpoint (.pth) or work directory of checkpoints; without it the '
+                    'initialisation is shown')
 
 
 def checkpoints_of(path):
@@ -107,36 +109,24 @@ def plot_trajectory(trajectory, path, xlabel, max_cols=6):
 
 
 def run(argv=None):
-    p = cli.parser('gates', __doc__, checkpoint_help='checkpoint (.pth) or work directory of '
-                   'checkpoints; without it the initialisation is shown')
-    args = p.parse_args(argv)
-    out = cli.prepare(args)
-    cfg = load_config(args.config)
-    model = build_backbone(cfg, args.device, args.config, args.pretrained)
-    require_dtn(model, args.config, 'gates')
+    args, out = cli.parse(cli.parser('gates', __doc__, checkpoint_help=CHECKPOINTS_HELP), argv)
     checkpoints = checkpoints_of(args.checkpoint)
     rows, values = [], []
     for step, file in cli.progress(checkpoints, 'checkpoints', len(checkpoints)):
-        if file is not None:
-            model = build_backbone(cfg, args.device, args.config, args.pretrained)
-            load_weights(model, file, config_path=args.config)
+        _, model = cli.load_backbone(args.config, file, args.device, args.pretrained)
         values = gate_values(model, args.config)
         for layer, mv, vv in values:
             for head in range(len(mv)):
                 rows.append(dict(checkpoint=osp.basename(file) if file else 'initialisation',
                                  step=step, layer=layer, head=head, mean_lambda=float(mv[head]),
                                  var_lambda=float(vv[head])))
-    cli.write_csv(osp.join(out, 'gates.csv'), rows)
-    cli.write_json(osp.join(out, 'gates.json'), rows)
     last = osp.basename(checkpoints[-1][1]) if checkpoints[-1][1] else 'initialisation'
     plot_last(values, f'DTN gates: {last}', osp.join(out, 'gates.png'))
     if len(checkpoints) > 1:
         names = ' '.join(osp.basename(f) for _, f in checkpoints)
         xlabel = 'epoch' if 'epoch' in names else 'iteration' if 'iter' in names else 'checkpoint'
         plot_trajectory(rows, osp.join(out, 'gates_trajectory.png'), xlabel)
-    print(f'gates of {len(values)} DTN layers from {len(checkpoints)} checkpoint(s) '
-          f'written to {out}')
-    return rows
+    return cli.write_results(out, 'gates', rows)  # a row per checkpoint, layer and head
 
 
 if __name__ == '__main__':

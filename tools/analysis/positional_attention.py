@@ -14,7 +14,8 @@ head: pooled grid, token, row sum, peak offset (d_row, d_col), peak weight, a^h)
 
 Example::
 
-    python tools/analysis/positional_attention.py configs/retinanet_pvt_tiny_dtn_1x.py ckpt.pth
+    python tools/analysis/positional_attention.py configs/retinanet_pvt-t-dtn_fpn_1x_coco.py \\
+        ckpt.pth
 """
 import os.path as osp
 
@@ -23,8 +24,7 @@ import torch
 
 from mmdtn.analysis import cli
 from mmdtn.analysis.flops import DTNShapeRecorder
-from mmdtn.analysis.models import (build_backbone, load_config, load_weights, norm_labels,
-                                   require_dtn)
+from mmdtn.analysis.models import norm_labels, require_dtn
 from mmdtn.analysis.plotting import heatmap_grid
 
 
@@ -89,17 +89,12 @@ def run(argv=None):
                    help='input size that sets the token maps (default: 224 224)')
     p.add_argument('--token', type=int, nargs=2, metavar=('ROW', 'COL'), default=None,
                    help='token (cell of the pooled grid) whose row is drawn (default: centre)')
-    args = p.parse_args(argv)
-    out = cli.prepare(args)
-    cfg = load_config(args.config)
-    model = build_backbone(cfg, args.device, args.config, args.pretrained)
-    require_dtn(model, args.config, 'positional attention')
-    grids = dtn_grids(model, args.size, args.device)
-    states = [('before', model)]
-    if args.checkpoint:
-        trained = build_backbone(cfg, args.device, args.config, args.pretrained)
-        load_weights(trained, args.checkpoint, config_path=args.config)
-        states = [('before', model), ('after', trained)]
+    args, out = cli.parse(p, argv)
+    checkpoints = [('before', None)] + ([('after', args.checkpoint)] if args.checkpoint else [])
+    states = [(state, cli.load_backbone(args.config, checkpoint, args.device, args.pretrained,
+                                        dtn_for='positional attention')[1])
+              for state, checkpoint in checkpoints]
+    grids = dtn_grids(states[0][1], args.size, args.device)
     rows, arrays = [], {}
     for stage, m in cli.progress(states, 'states'):
         layers = positional_rows(m, grids, args.token)

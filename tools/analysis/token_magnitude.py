@@ -14,8 +14,8 @@ maps, keys ``model/layer/before|after``) to ``--out``.
 
 Example (LN vs DTN side by side)::
 
-    python tools/analysis/token_magnitude.py configs/retinanet_pvt_tiny_dtn_1x.py dtn.pth \\
-        --images photo.jpg --compare configs/retinanet_pvt_tiny_ln_1x.py ln.pth
+    python tools/analysis/token_magnitude.py configs/retinanet_pvt-t-dtn_fpn_1x_coco.py dtn.pth \\
+        --images photo.jpg --compare configs/retinanet_pvt-t-ln_fpn_1x_coco.py ln.pth
 """
 import os.path as osp
 import textwrap
@@ -24,7 +24,7 @@ import numpy as np
 
 from mmdtn.analysis import cli
 from mmdtn.analysis.capture import NormRecorder, record
-from mmdtn.analysis.plotting import heatmap_grid, plt, save
+from mmdtn.analysis.plotting import heatmap_grid, per_layer_axes, plt, save
 
 
 def attention_heads(block):
@@ -71,14 +71,11 @@ def group_counts(models_records, override=None):
 
 
 def run(argv=None):
-    p = cli.parser('token_magnitude', __doc__)
-    cli.add_images_args(p)
-    cli.add_compare_arg(p)
+    p = cli.parser('token_magnitude', __doc__, images=True, compare=True)
     p.add_argument('--image-index', type=int, default=0,
                    help='which image of --images (sorted by name) to show (default: 0)')
     p.add_argument('--groups', type=int, default=None, help='channel groups (heads) per map')
-    args = p.parse_args(argv)
-    out = cli.prepare(args)
+    args, out = cli.parse(p, argv)
     models_records = []
     for label, config, checkpoint in cli.progress(cli.models_of(args), 'models'):
         image_name, records = record_norms(config, checkpoint, args)
@@ -118,10 +115,7 @@ def run(argv=None):
         cv = [np.mean([r['cv'] for r in rows if r['model'] == label and r['layer'] == layer
                        and r['when'] == 'after']) for layer in layer_labels]
         ax.plot(range(len(layer_labels)), cv, marker='o', ms=3, label=label)
-    ax.set_xticks(range(len(layer_labels)))
-    ax.set_xticklabels(layer_labels, rotation=90, fontsize=6)
-    ax.set_ylabel('std/mean of token magnitude\nafter the norm', fontsize=8)
-    ax.legend(fontsize=7)
+    per_layer_axes(ax, layer_labels, 'std/mean of token magnitude\nafter the norm', 7)
     save(fig, osp.join(out, 'token_magnitude_cv.png'))
     print(f'token magnitude maps of {len(layer_labels)} norm layers written to {out}')
     return dict(maps=maps, rows=rows, groups=groups)

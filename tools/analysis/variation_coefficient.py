@@ -12,8 +12,8 @@ Needs a DTN backbone.
 
 Example::
 
-    python tools/analysis/variation_coefficient.py configs/retinanet_pvt_tiny_dtn_1x.py ckpt.pth \\
-        --images my_images/
+    python tools/analysis/variation_coefficient.py configs/retinanet_pvt-t-dtn_fpn_1x_coco.py \\
+        ckpt.pth --images my_images/
 """
 import os.path as osp
 from collections import defaultdict
@@ -23,8 +23,7 @@ import torch
 
 from mmdtn.analysis import cli
 from mmdtn.analysis.capture import NormRecorder, record
-from mmdtn.analysis.models import require_dtn
-from mmdtn.analysis.plotting import plt, save
+from mmdtn.analysis.plotting import per_layer_axes, plt, save
 
 STATISTICS = (('LN', 'mean_ln'), ('IN', None), ('DTN inter-token', 'mean_it'), ('DTN', 'mean'))
 
@@ -62,20 +61,14 @@ def plot(rows, path):
         offset = (i - (len(labels) - 1) / 2) * width
         ax.bar(np.arange(len(layers)) + offset, vals, width, label=stat)
     ax.set_yscale('log')
-    ax.set_xticks(range(len(layers)))
-    ax.set_xticklabels(layers, rotation=90, fontsize=6)
-    ax.set_ylabel('mean |(x - mu) / x|', fontsize=8)
-    ax.legend(fontsize=6)
+    per_layer_axes(ax, layers, 'mean |(x - mu) / x|')
     return save(fig, path)
 
 
 def run(argv=None):
-    p = cli.parser('variation_coefficient', __doc__)
-    cli.add_images_args(p)
-    args = p.parse_args(argv)
-    out = cli.prepare(args)
-    cfg, model = cli.load_backbone(args.config, args.checkpoint, args.device, args.pretrained)
-    require_dtn(model, args.config, 'variation coefficient')
+    args, out = cli.parse(cli.parser('variation_coefficient', __doc__, images=True), argv)
+    cfg, model = cli.load_backbone(args.config, args.checkpoint, args.device, args.pretrained,
+                                   dtn_for='variation coefficient')
     images = cli.images_of(args, cfg)
     values = defaultdict(list)
     with NormRecorder(model) as recorder:
@@ -86,11 +79,7 @@ def run(argv=None):
     rows = [dict(layer=layer, statistic=stat, vc_mean=float(np.mean([v[0] for v in vs])),
                  vc_median=float(np.mean([v[1] for v in vs])), images=len(vs))
             for (layer, stat), vs in values.items()]
-    cli.write_csv(osp.join(out, 'variation_coefficient.csv'), rows)
-    cli.write_json(osp.join(out, 'variation_coefficient.json'), rows)
-    plot(rows, osp.join(out, 'variation_coefficient.png'))
-    print(f'variation coefficients of {len(rows) // len(STATISTICS)} DTN layers written to {out}')
-    return rows
+    return cli.write_results(out, 'variation_coefficient', rows, plot)
 
 
 if __name__ == '__main__':

@@ -1,0 +1,9 @@
+# Mask R-CNN, PVT-Small with LayerNorm (the stock backbone), COCO: the recipe of the PVT-Tiny
+# config with PVT-Small (configs/README.md).
+_base_ = './mask-rcnn_pvt-t-ln_fpn_1x_coco.py'
+custom_imports = dict(imports=['mmdtn'], allow_failed_imports=False)
+model = dict(
+    backbone=dict(
+        num_layers=[3, 4, 6, 3],
+        init_cfg=dict(checkpoint='https://github.com/whai362/PVT/'
+                      'releases/download/v2/pvt_small.pth')))

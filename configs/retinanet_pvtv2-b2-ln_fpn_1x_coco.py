@@ -1,0 +1,3 @@
+# RetinaNet, PVTv2-b2 with LayerNorm (the stock backbone), COCO: mmdet's config, unchanged.
+_base_ = 'mmdet::pvt/retinanet_pvtv2-b2_fpn_1x_coco.py'
+custom_imports = dict(imports=['mmdtn'], allow_failed_imports=False)
