@@ -160,7 +160,7 @@ def load_weights(model, checkpoint_path, prefix='backbone.', config_path='config
 
 def _dtn_class():
     try:
-        from mmdtn.models.layers.dynamic_token_norm import DynamicTokenNorm
+        from mmdtn.models.layers.dtn import DynamicTokenNorm
     except ImportError:  # pragma: no cover - only while the layer is missing
         return None
     return DynamicTokenNorm

@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Sequence, Union
 import torch.nn as nn
 from torch.utils import checkpoint as cp
 
-from ..layers.dynamic_token_norm import DynamicTokenNorm
+from ..layers.dtn import DynamicTokenNorm
 
 __all__ = ['DTNStageSettings', 'dtn_stage_settings', 'TokenNormBlockMixin']
 

@@ -35,7 +35,7 @@ from mmengine.logging import MMLogger, print_log
 from mmengine.runner.checkpoint import CheckpointLoader
 
 from ..layers.dual_patchnorm import PatchNormConv2d
-from ..layers.dynamic_token_norm import DynamicTokenNorm
+from ..layers.dtn import DynamicTokenNorm
 from ..layers.reference_compat import convert_reference_state_dict
 
 __all__ = [
