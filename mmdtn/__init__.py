@@ -14,8 +14,16 @@ from .models.layers import __all__ as _layers_all
 
 __all__ = ['__version__', *_layers_all]
 
+
+def _installed(name):
+    try:
+        return find_spec(name) is not None
+    except (ImportError, ValueError):  # refused by an import hook, or blocked in sys.modules
+        return False
+
+
 #: Whether the OpenMMLab stack is installed (then the backbones, tools and registration load).
-WITH_OPENMMLAB = all(find_spec(name) is not None for name in ('mmengine', 'mmcv', 'mmdet', 'mmseg'))
+WITH_OPENMMLAB = all(_installed(name) for name in ('mmengine', 'mmcv', 'mmdet', 'mmseg'))
 
 if WITH_OPENMMLAB:
     from . import checkpoint, registry  # noqa: F401  (safe checkpoint loading; registries)

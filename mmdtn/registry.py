@@ -2,8 +2,8 @@
 
 mmdet (default_scope ``mmdet``) and mmsegmentation (default_scope ``mmseg``) each have their own
 ``MODELS`` registry, children of mmengine's root registry. A model is registered in both children so
-that ``type='PyramidVisionTransformerDTN'`` resolves in either scope; norm layers are also registered
-in the root, where mmcv's ``build_norm_layer`` (and ``build_conv_layer``, for ``PatchNormConv2d``)
+that ``type='PyramidVisionTransformerDTN'`` resolves in either scope; norm layers are also
+registered in the root, where mmcv's ``build_norm_layer`` (and ``build_conv_layer``, for ``PatchNormConv2d``)
 finds them from any scope (or none). The layers themselves import with torch alone; this module,
 imported by ``import mmdtn`` where the OpenMMLab stack is installed, registers them.
 """
@@ -28,7 +28,8 @@ def register_model(cls=None, *, name=None):
 
 
 def register_norm_layer(cls=None, *, name=None):
-    """Register a norm layer in mmengine's root ``MODELS`` (for ``build_norm_layer``) and both children."""
+    """Register a norm layer in mmengine's root ``MODELS`` (for ``build_norm_layer``) and in both
+    children."""
 
     def _register(module):
         ROOT_MODELS.register_module(name=name, module=module)

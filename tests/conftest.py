@@ -9,8 +9,16 @@ from mmdtn import available_backends, get_dtn_backend, set_dtn_backend
 CPU_BACKENDS = ['cpu', 'torch']
 
 
+@pytest.fixture
+def backend_setting():
+    """Restores DynamicTokenNorm's backend setting after a test that changes it."""
+    saved = get_dtn_backend()
+    yield
+    set_dtn_backend(saved)
+
+
 @pytest.fixture(params=CPU_BACKENDS)
-def dtn_backend(request):
+def dtn_backend(request, backend_setting):
     """Runs a test on every DynamicTokenNorm backend that runs CPU tensors (set with
     ``mmdtn.set_dtn_backend``; restored afterwards). Returns the backend's name."""
     name = request.param
@@ -19,7 +27,5 @@ def dtn_backend(request):
             pytest.skip('mmdtn was installed with MMDTN_WITH_OPS=0, without its CPU kernels')
         pytest.fail(f'the {name!r} DynamicTokenNorm backend cannot run here: the CPU kernels are '
                     'built by `pip install -e .` (or `make install`) with a C++ compiler')
-    saved = get_dtn_backend()
     set_dtn_backend(name)
-    yield name
-    set_dtn_backend(saved)
+    return name

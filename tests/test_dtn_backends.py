@@ -17,14 +17,6 @@ from mmdtn.models.layers.dtn.backends.cpu import BandedFactor
 from mmdtn.models.layers.dtn.grid import TokenGrid
 
 
-@pytest.fixture
-def backend_setting():
-    """Restores the backend setting after a test that changes it."""
-    saved = get_dtn_backend()
-    yield
-    set_dtn_backend(saved)
-
-
 def uses_fused_products(norm, x, hw):
     """Whether the CPU backend fuses the positional products with the passes over the tokens."""
     grid = TokenGrid.of(x, hw, norm.num_heads, norm.pool_size)

@@ -1,13 +1,12 @@
 """DynamicTokenNorm (Shao et al., ICLR 2022, Eqs. 4-7) against dense formulas, limits, bad input,
 on every backend of the CPU."""
 import math
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from mmdtn import DynamicTokenNorm, neighbourhood_offsets, set_dtn_backend
+from mmdtn import DynamicTokenNorm, neighbourhood_offsets
 from mmdtn.models.layers.dtn.reference import dense_dtn as dense_dtn_of
 from mmdtn.models.layers.dtn.reference import dense_positional_matrix
 

@@ -16,10 +16,10 @@ the moments about the centre give exactly the statistics about 0 without the can
 E[x^2] - E[x]^2. A backend may fuse the products with the passes over the tokens (no pooling).
 
 Backends whose passes PyTorch can trace run inside an autograd Function
-(:func:`define_traced_function`) that ``torch.compile`` and ``torch.export`` trace through. Compiled kernels run inside
-``torch.library`` custom ops (:func:`define_custom_ops`), with fake implementations and registered
-autograd, so that tracing never reaches them. Either way, everything backward needs goes through
-``save_for_backward``.
+(:func:`define_traced_function`) that ``torch.compile`` and ``torch.export`` trace through.
+Compiled kernels run inside ``torch.library`` custom ops (:func:`define_custom_ops`), with fake
+implementations and registered autograd, so that tracing never reaches them. Either way,
+everything backward needs goes through ``save_for_backward``.
 """
 from dataclasses import dataclass
 from typing import Optional

@@ -34,7 +34,8 @@ class PyTorchBackend(Backend):
         mean_ln = x.sum(-1, keepdim=True) / C
         var_ln = (x - mean_ln).square().sum(-1, keepdim=True) / n_var
         cell_mean = grid.cell_means(x)
-        centre = cell_mean.mean(dim=(1, 2), keepdim=True)  # rows of P sum to 1: any constant is exact
+        # rows of P sum to 1: moments about any per-channel constant are exact
+        centre = cell_mean.mean(dim=(1, 2), keepdim=True)
         cell_second = None
         if grid.pooled and not convention.square_of_pooled:
             cell_second = grid.cell_means((x - centre.view(B, 1, C)).square())
