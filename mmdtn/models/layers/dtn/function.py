@@ -31,7 +31,8 @@ from ..reference_compat import StatisticsConvention
 from .grid import TokenGrid
 
 __all__ = ['TokenStatistics', 'Saved', 'Gradients', 'dtn_forward', 'dtn_backward',
-           'inter_token_statistics', 'define_traced_function', 'define_custom_ops']
+           'inter_token_statistics', 'ln_gradient', 'define_traced_function', 'define_custom_ops',
+           'CUSTOM_OP_IMPLEMENTATIONS']
 
 
 @dataclass
@@ -147,10 +148,10 @@ def _backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convent
         T = moments(stats, grid)
         u, m = positional_products(T, factor_y, factor_x, grid)
 
-    # pass 1: D1 = g w rstd (= -dL/dmu, the first part of dx), D2 = D1 xhat rstd (= -2 dL/dvar),
-    # their sums with the lambdas over each token's channels (tok1, tok2), the sums over the tokens
-    # for the parameters, and dL/dm of every cell
-    d1, tok1, tok2, sums, dm = backend.token_gradients(g, x, saved, m, ratios, weight, eps, grid)
+    # pass 1: with D1 = g w rstd (= -dL/dmu) and D2 = D1 xhat rstd (= -2 dL/dvar) per token and
+    # channel, dL/dm of every cell and the sums over the tokens for the parameters; ``tokens``
+    # holds what pass 2 takes from pass 1 (a backend may keep D1 or recompute it)
+    tokens, sums, dm = backend.token_gradients(g, x, saved, m, ratios, weight, eps, grid)
 
     # the positional products backwards: dL/dm -> dL/dP_y, dL/du -> dL/dP_x, dL/dT
     grad_p_y, grad_p_x, dT = products_backward(dm, u, T, factor_y, factor_x, grid)
@@ -160,11 +161,9 @@ def _backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convent
         d_second = None
 
     # pass 2: dx = D1 + x beta + alpha + (dL/dT_0 + 2 (x - centre) dL/dT_1) / n, with n the
-    # tokens of the cell and beta, alpha the gradient of Eq. 2:
-    # dL/dvar_ln = -tok2 / 2, beta = 2 dL/dvar_ln / n_var; alpha = dL/dmu_ln / C - beta mu_ln
-    beta = tok2 * (-1.0 / n_var)
-    alpha = tok1 * (-1.0 / C) - beta * saved.mean_ln
-    dx = backend.input_gradient(d1, x, beta, alpha, d_first, d_second, saved.centre, grid)
+    # tokens of the cell and beta, alpha the gradient of Eq. 2 (see ln_gradient)
+    dx = backend.input_gradient(tokens, g, x, saved, m, ratios, weight, eps, n_var, d_first,
+                                d_second, grid)
     return Gradients(dx, grad_p_y, grad_p_x, *parameter_gradients(sums))
 
 
@@ -207,6 +206,14 @@ def products_backward(dm, u, T, factor_y, factor_x, grid):
     grad_p_x = factor_x.outer(du, T.view(heads, Wp, -1))
     dT = factor_x.matmul(du, transpose=True).view(T.shape)
     return grad_p_y, grad_p_x, dT
+
+
+def ln_gradient(tok1, tok2, mean_ln, C, n_var):
+    """beta, alpha (B, N, 1) of dx = ... + x beta + alpha, the gradient through Eq. 2, from the
+    per-token sums tok1 = sum_c D1 lambda_m and tok2 = sum_c D2 lambda_v: dL/dmu_ln = -tok1,
+    dL/dvar_ln = -tok2 / 2, beta = 2 dL/dvar_ln / n_var, alpha = dL/dmu_ln / C - beta mu_ln."""
+    beta = tok2 * (-1.0 / n_var)
+    return beta, tok1 * (-1.0 / C) - beta * mean_ln
 
 
 def parameter_gradients(sums):
@@ -275,6 +282,11 @@ def define_traced_function(backend):
     return apply
 
 
+#: The Python implementations of the custom ops of :func:`define_custom_ops`, by qualified name
+#: ('mmdtn::dtn_cpu_forward', ...), for tools that look inside them (benchmarks counting launches).
+CUSTOM_OP_IMPLEMENTATIONS = {}
+
+
 def define_custom_ops(backend, name):
     """``torch.library`` custom ops ``mmdtn::dtn_<name>_forward`` and ``..._backward`` running DTN
     over ``backend``'s compiled passes, with fake implementations and registered autograd.
@@ -283,14 +295,16 @@ def define_custom_ops(backend, name):
         callable: ``apply(x, p_y, p_x, ratios, weight, bias, grid, eps, convention) -> y``.
     """
 
-    @torch.library.custom_op(f'mmdtn::dtn_{name}_forward', mutates_args=())
-    def forward(x: Tensor, p_y: Tensor, p_x: Tensor, ratios: Tensor, weight: Tensor,
-                bias: Tensor, H: int, W: int, pool: int, heads: int, eps: float,
-                unbiased_ln_var: bool, square_of_pooled: bool) -> list[Tensor]:
+    def run_forward(x: Tensor, p_y: Tensor, p_x: Tensor, ratios: Tensor, weight: Tensor,
+                    bias: Tensor, H: int, W: int, pool: int, heads: int, eps: float,
+                    unbiased_ln_var: bool, square_of_pooled: bool) -> list[Tensor]:
         grid = TokenGrid(x.shape[0], H, W, x.shape[2], heads, pool)
         y, saved = dtn_forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps,
                                _convention(unbiased_ln_var, square_of_pooled))
         return [y, *saved.tensors()]
+
+    names = f'mmdtn::dtn_{name}_forward', f'mmdtn::dtn_{name}_backward'
+    forward = torch.library.custom_op(names[0], mutates_args=())(run_forward)
 
     @forward.register_fake
     def _(x, p_y, p_x, ratios, weight, bias, H, W, pool, heads, eps, unbiased_ln_var,
@@ -298,16 +312,17 @@ def define_custom_ops(backend, name):
         grid = TokenGrid(x.shape[0], H, W, x.shape[2], heads, pool)
         return [torch.empty_like(x), *Saved.fake_tensors(x, grid, weight.dtype)]
 
-    @torch.library.custom_op(f'mmdtn::dtn_{name}_backward', mutates_args=())
-    def backward(grad: Tensor, x: Tensor, p_y: Tensor, p_x: Tensor, ratios: Tensor,
-                 weight: Tensor, mean_ln: Tensor, var_ln: Tensor, centre: Tensor,
-                 moments: Tensor, products: Tensor, H: int, W: int, pool: int, heads: int,
-                 eps: float, unbiased_ln_var: bool, square_of_pooled: bool) -> list[Tensor]:
+    def run_backward(grad: Tensor, x: Tensor, p_y: Tensor, p_x: Tensor, ratios: Tensor,
+                     weight: Tensor, mean_ln: Tensor, var_ln: Tensor, centre: Tensor,
+                     moments: Tensor, products: Tensor, H: int, W: int, pool: int, heads: int,
+                     eps: float, unbiased_ln_var: bool, square_of_pooled: bool) -> list[Tensor]:
         grid = TokenGrid(x.shape[0], H, W, x.shape[2], heads, pool)
         saved = Saved.from_tensors([mean_ln, var_ln, centre, moments, products], grid)
         grads = dtn_backward(backend, grad, x, p_y, p_x, ratios, weight, saved, grid, eps,
                              _convention(unbiased_ln_var, square_of_pooled))
         return grads.tensors()
+
+    backward = torch.library.custom_op(names[1], mutates_args=())(run_backward)
 
     @backward.register_fake
     def _(grad, x, p_y, p_x, ratios, weight, *args):
@@ -330,5 +345,5 @@ def define_custom_ops(backend, name):
         return forward(x, p_y, p_x, ratios, weight, bias, grid.H, grid.W, grid.pool, grid.heads,
                        eps, convention.unbiased_ln_var, convention.square_of_pooled)[0]
 
-    apply.forward_op, apply.backward_op = forward, backward
+    CUSTOM_OP_IMPLEMENTATIONS.update(zip(names, (run_forward, run_backward)))
     return apply

@@ -149,8 +149,9 @@ class DynamicTokenNorm(nn.Module):
             xc = self._prepare(x.to(dtype))
             p_y, p_x = self.axis_matrices(hw_shape, dtype=dtype)
             stats, mean_it, var_it = inter_token_statistics(
-                select_backend(xc, grid), xc, p_y, p_x, grid, self.convention)
+                select_backend(xc, grid, dtype), xc, p_y, p_x, grid, self.convention)
             mean_it, var_it = grid.to_tokens(mean_it), grid.to_tokens(var_it)
+            mean_it, var_it = mean_it.to(dtype), var_it.to(dtype)
             lam_m, kap_m, lam_v, kap_v = self._channel_ratios(dtype).unbind(0)
             return {
                 'mean_ln': stats.mean_ln,
@@ -170,7 +171,7 @@ class DynamicTokenNorm(nn.Module):
             weight, bias = self.weight.to(dtype), self.bias.to(dtype)
             if x.numel() == 0:
                 return (x.to(dtype) * weight + bias).to(x.dtype)
-            backend = select_backend(x, grid)
+            backend = select_backend(x, grid, dtype)
             xc = x if x.dtype in backend.input_dtypes else x.to(dtype)
             xc = self._prepare(xc).contiguous()
             p_y, p_x = self.axis_matrices(hw_shape, dtype=dtype)

@@ -1,11 +1,12 @@
 """The backends of DynamicTokenNorm: one module each, the same math, different hardware.
 
-============  ==========================  ===================================================
-name          runs                        why not elsewhere
-============  ==========================  ===================================================
-``cpu``       float32/float64 on CPUs     C++ kernels (built by ``pip install``)
-``torch``     anything                    portable PyTorch operations, slower in eager mode
-============  ==========================  ===================================================
+============  ===============================  ==============================================
+name          runs                             why not elsewhere
+============  ===============================  ==============================================
+``cpu``       float32/float64 on CPUs          C++ kernels (built by ``pip install``)
+``triton``    float16/bfloat16/float32, CUDA   Triton kernels; float64 and other devices: no
+``torch``     anything                         portable PyTorch operations, slower eagerly
+============  ===============================  ==============================================
 
 ``auto`` (the default) takes, for every call, the first backend made for the input's device that
 supports the input, else ``torch``; when a backend made for the device cannot run an input, it
@@ -16,15 +17,20 @@ equals the dense reference (:mod:`..reference`) to rounding, forward and backwar
 import os
 import warnings
 
+import torch
+
+from ..grid import TokenGrid
 from .base import Backend
 from .cpu import CpuBackend
 from .pytorch import PyTorchBackend
+from .triton import TritonBackend
 
 __all__ = ['Backend', 'BACKENDS', 'ENVIRONMENT_VARIABLE', 'set_dtn_backend', 'get_dtn_backend',
            'available_backends', 'select_backend']
 
 #: The backends by name, in the order ``auto`` tries them.
-BACKENDS = {backend.name: backend for backend in (CpuBackend(), PyTorchBackend())}
+BACKENDS = {backend.name: backend
+            for backend in (CpuBackend(), TritonBackend(), PyTorchBackend())}
 PORTABLE = 'torch'
 ENVIRONMENT_VARIABLE = 'MMDTN_DTN_BACKEND'
 
@@ -51,20 +57,18 @@ def get_dtn_backend():
 
 def available_backends(device='cpu'):
     """Names of the backends that can run float32 tokens on ``device`` here."""
-    import torch
-
-    from ..grid import TokenGrid
     x = torch.zeros(1, 1, 1, device=device)
     return [name for name, backend in BACKENDS.items()
-            if backend.supports(x, TokenGrid(1, 1, 1, 1, 1, 1)) is None]
+            if backend.supports(x, TokenGrid(1, 1, 1, 1, 1, 1), torch.float32) is None]
 
 
-def select_backend(x, grid):
-    """The backend that runs tokens ``x`` on ``grid`` under the current setting."""
+def select_backend(x, grid, dtype):
+    """The backend that runs tokens ``x`` on ``grid``, with statistics in ``dtype``, under the
+    current setting."""
     name = get_dtn_backend()
     if name != 'auto':
         backend = BACKENDS[name]
-        reason = backend.supports(x, grid)
+        reason = backend.supports(x, grid, dtype)
         if reason is not None:
             raise RuntimeError(
                 f'the DynamicTokenNorm backend {name!r} (set by set_dtn_backend or '
@@ -74,7 +78,7 @@ def select_backend(x, grid):
     for backend in BACKENDS.values():
         if x.device.type not in backend.devices:
             continue
-        reason = backend.supports(x, grid)
+        reason = backend.supports(x, grid, dtype)
         if reason is None:
             return backend
         if (backend.name, reason) not in _warned:

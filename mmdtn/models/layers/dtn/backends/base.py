@@ -5,11 +5,13 @@ gradient, and the products with the positional factors) for the inputs it suppor
 differentiable with :func:`..function.define_traced_function` (passes PyTorch can trace) or
 :func:`..function.define_custom_ops` (compiled kernels).
 """
+import contextlib
 from typing import Optional
 
 import torch
 
-__all__ = ['Backend', 'DenseFactor']
+__all__ = ['Backend', 'DenseFactor', 'KernelLaunch', 'recording_launches', 'record_launch',
+           'RecordedKernels']
 
 
 class Backend:
@@ -23,9 +25,10 @@ class Backend:
     #: dtype (float32 or float64)
     input_dtypes = (torch.float32, torch.float64)
 
-    def supports(self, x, grid) -> Optional[str]:
-        """Why this backend cannot run tokens ``x`` on ``grid``, or None if it can. The layer
-        converts x of a dtype not in :attr:`input_dtypes` before the call."""
+    def supports(self, x, grid, dtype) -> Optional[str]:
+        """Why this backend cannot run tokens ``x`` on ``grid`` with statistics in ``dtype``
+        (float32 or float64), or None if it can. The layer converts x of a dtype not in
+        :attr:`input_dtypes` to ``dtype`` before the call."""
         raise NotImplementedError
 
     def apply(self, x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
@@ -47,11 +50,14 @@ class Backend:
         raise NotImplementedError
 
     def token_gradients(self, g, x, saved, m, ratios, weight, eps, grid):
-        """Backward pass 1: (D1, tok1, tok2, sums (6, C), dL/dm head-major); see dtn_backward."""
+        """Backward pass 1: (what pass 2 takes from it, the sums (6, C) for the parameters,
+        dL/dm head-major); see dtn_backward."""
         raise NotImplementedError
 
-    def input_gradient(self, d1, x, beta, alpha, d_first, d_second, centre, grid):
-        """Backward pass 2: dx from D1, the gradient of Eq. 2 and the column-major dL/dT."""
+    def input_gradient(self, tokens, g, x, saved, m, ratios, weight, eps, n_var, d_first,
+                       d_second, grid):
+        """Backward pass 2: dx from pass 1's ``tokens``, the gradient of Eq. 2 and the
+        column-major dL/dT (d_second may be None)."""
         raise NotImplementedError
 
     def fuses_products(self, x, grid, p_x):
@@ -80,3 +86,66 @@ class DenseFactor:
     def outer(self, a, x):
         """The gradient of P for u = P x and dL/du = a, per matrix: a x^T (n, L, L)."""
         return torch.bmm(a, x.transpose(1, 2))
+
+
+# ---------------------------------------------------------------------------- launch records
+class KernelLaunch:
+    """One launch of a compiled kernel: its name and the bytes it reads and writes."""
+
+    __slots__ = ('name', 'read', 'written')
+
+    def __init__(self, name, read, written):
+        self.name, self.read, self.written = name, read, written
+
+
+_records = []  # the lists that recording_launches is filling, innermost last
+
+
+@contextlib.contextmanager
+def recording_launches():
+    """Collects a :class:`KernelLaunch` for every compiled kernel launched inside (benchmarks);
+    PyTorch's own operations are not included."""
+    launches = []
+    _records.append(launches)
+    try:
+        yield launches
+    finally:
+        _records.remove(launches)
+
+
+def record_launch(name, read, written):
+    """Notes a launch of ``name`` reading and writing the given numbers of bytes, if recording."""
+    if _records:
+        _records[-1].append(KernelLaunch(name, read, written))
+
+
+def _tensor_bytes(values):
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+
+class RecordedKernels:
+    """The functions of a compiled extension module, each call recorded by
+    :func:`recording_launches` with the bytes of its tensor operands: arguments read, results
+    written, and the arguments named in ``in_place`` both read and written."""
+
+    def __init__(self, module, prefix, in_place=None):
+        self._module, self._prefix, self._in_place = module, prefix, in_place or {}
+        self._functions = {}
+
+    def __getattr__(self, name):
+        if name not in self._functions:
+            self._functions[name] = self._recorded(name, getattr(self._module, name))
+        return self._functions[name]
+
+    def _recorded(self, name, fn):
+        label, in_place = f'{self._prefix}.{name}', self._in_place.get(name, ())
+
+        def call(**kwargs):
+            out = fn(**kwargs)
+            if _records:
+                results = out if isinstance(out, (list, tuple)) else [out]
+                written = _tensor_bytes(results) + _tensor_bytes(kwargs[k] for k in in_place)
+                record_launch(label, _tensor_bytes(kwargs.values()), written)
+            return out
+
+        return call

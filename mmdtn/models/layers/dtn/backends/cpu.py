@@ -15,14 +15,19 @@ record as single operations.
 """
 import torch
 
-from ..function import TokenStatistics, define_custom_ops
+from ..function import TokenStatistics, define_custom_ops, ln_gradient
 from ..positional import relative_offsets
-from .base import Backend, DenseFactor
+from .base import Backend, DenseFactor, RecordedKernels
 
 try:  # built by setup.py
-    from .. import _cpu_kernels as kernels
+    from .. import _cpu_kernels
 except ImportError:  # pragma: no cover - installs without a C++ compiler or MMDTN_WITH_OPS=0
-    kernels = None
+    _cpu_kernels = None
+
+#: The C++ kernels (None where mmdtn was installed without them), each call recorded while
+#: benchmarks count launches (:func:`.base.recording_launches`).
+kernels = None if _cpu_kernels is None else RecordedKernels(
+    _cpu_kernels, 'cpu', in_place={'input_gradient': ('dx', )})
 
 __all__ = ['CpuBackend', 'BandedFactor']
 
@@ -67,7 +72,7 @@ class CpuBackend(Backend):
     def __init__(self):
         self.apply = define_custom_ops(self, 'cpu')
 
-    def supports(self, x, grid):
+    def supports(self, x, grid, dtype):
         if kernels is None:
             return ('mmdtn was installed without its CPU kernels (`pip install -e .` builds them '
                     'with a C++ compiler)')
@@ -112,13 +117,16 @@ class CpuBackend(Backend):
             grad=g, x=x, mean_ln=saved.mean_ln, var_ln=saved.var_ln, first=first, second=second,
             centre=saved.centre, ratios=ratios.contiguous(), weight=weight.contiguous(), eps=eps,
             dm_first=dm_first, dm_second=dm_second, **self._geometry(grid))
-        return d1, tok1, tok2, sums, dm
+        return (d1, tok1, tok2), sums, dm
 
-    def input_gradient(self, d1, x, beta, alpha, d_first, d_second, centre, grid):
+    def input_gradient(self, tokens, g, x, saved, m, ratios, weight, eps, n_var, d_first,
+                       d_second, grid):
+        d1, tok1, tok2 = tokens
+        beta, alpha = ln_gradient(tok1, tok2, saved.mean_ln, grid.C, n_var)
         kernels.input_gradient(
             dx=d1, x=x, beta=beta, alpha=alpha, d_first=grid.from_column_major(d_first),
             d_second=None if d_second is None else grid.from_column_major(d_second),
-            centre=centre, **self._geometry(grid))
+            centre=saved.centre, **self._geometry(grid))
         return d1
 
     def fuses_products(self, x, grid, p_x):

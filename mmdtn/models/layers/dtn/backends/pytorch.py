@@ -8,7 +8,7 @@ is the slowest backend: about a dozen kernels per pass, each a trip through memo
 """
 import torch
 
-from ..function import TokenStatistics, define_traced_function
+from ..function import TokenStatistics, define_traced_function, ln_gradient
 from .base import Backend
 
 __all__ = ['PyTorchBackend']
@@ -22,7 +22,7 @@ class PyTorchBackend(Backend):
     def __init__(self):
         self.apply = define_traced_function(self)
 
-    def supports(self, x, grid):
+    def supports(self, x, grid, dtype):
         if not x.dtype.is_floating_point:
             return f'x must be a floating-point tensor, got {x.dtype}'
         return None
@@ -75,9 +75,12 @@ class PyTorchBackend(Backend):
         dm_second = -0.5 * kap_v * grid.cell_sums(d2) * (var_it_cells > 0)
         dm_first = -kap_m * grid.cell_sums(d1) - 2 * first * dm_second
         dm = torch.stack([grid.to_head_major(dm_first), grid.to_head_major(dm_second)], dim=1)
-        return d1, tok1, tok2, sums, dm.contiguous()
+        return (d1, tok1, tok2), sums, dm.contiguous()
 
-    def input_gradient(self, d1, x, beta, alpha, d_first, d_second, centre, grid):
+    def input_gradient(self, tokens, g, x, saved, m, ratios, weight, eps, n_var, d_first,
+                       d_second, grid):
+        d1, tok1, tok2 = tokens
+        beta, alpha = ln_gradient(tok1, tok2, saved.mean_ln, grid.C, n_var)
         counts = grid.cell_counts(x.device, x.dtype)
 
         def per_token(d):  # column-major dL/dT -> (B, N, C), divided by the cell's tokens
@@ -85,5 +88,5 @@ class PyTorchBackend(Backend):
 
         dx = d1 + x * beta + alpha + per_token(d_first)
         if d_second is not None:
-            dx = dx + 2 * (x - centre.view(grid.B, 1, grid.C)) * per_token(d_second)
+            dx = dx + 2 * (x - saved.centre.view(grid.B, 1, grid.C)) * per_token(d_second)
         return dx
