@@ -40,9 +40,12 @@ def cpu_kernels():
     flags = ['-O3', '-fno-math-errno'] + (['-fopenmp'] if linux else [])
     if platform.machine().lower() in ('x86_64', 'amd64'):
         flags.append('-mtune=haswell')
-    ext = CppExtension('mmdtn.models.layers._dynamic_token_norm_cpu',
-                       ['mmdtn/models/layers/dynamic_token_norm_cpu.cpp'],
-                       depends=['mmdtn/models/layers/dynamic_token_norm_cpu_kernels.h'],
+    csrc = 'mmdtn/models/layers/dtn/csrc'
+    sources = ['ops.cpp', 'token_passes.cpp', 'band_products.cpp', 'fused_rows.cpp', 'avx512.cpp']
+    headers = ['common.h', 'kernels.h', 'isa.h', 'vec.h', 'band.h', 'token_math.h']
+    ext = CppExtension('mmdtn.models.layers.dtn._cpu_kernels',
+                       [f'{csrc}/{name}' for name in sources],
+                       depends=[f'{csrc}/{name}' for name in headers + sources[1:4]],
                        extra_compile_args=flags,
                        extra_link_args=['-fopenmp'] if linux else [])
     return dict(ext_modules=[ext], cmdclass={'build_ext': BuildExtension})

@@ -2,12 +2,16 @@
 
 mmdet (default_scope ``mmdet``) and mmsegmentation (default_scope ``mmseg``) each have their own
 ``MODELS`` registry, children of mmengine's root registry. A model is registered in both children so
-that ``type='PyramidVisionTransformerDTN'`` resolves in either scope; norm layers are also registered
-in the root, where mmcv's ``build_norm_layer`` finds them from any scope (or none).
+that ``type='PyramidVisionTransformerDTN'`` resolves in either scope; norm layers are also
+registered in the root, where mmcv's ``build_norm_layer`` (and ``build_conv_layer``, for ``PatchNormConv2d``)
+finds them from any scope (or none). The layers themselves import with torch alone; this module,
+imported by ``import mmdtn`` where the OpenMMLab stack is installed, registers them.
 """
 from mmdet.registry import MODELS as MMDET_MODELS
 from mmengine.registry import MODELS as ROOT_MODELS
 from mmseg.registry import MODELS as MMSEG_MODELS
+
+from .models.layers import DynamicTokenNorm, PatchNormConv2d
 
 __all__ = ['register_model', 'register_norm_layer', 'MMDET_MODELS', 'MMSEG_MODELS', 'ROOT_MODELS']
 
@@ -24,10 +28,16 @@ def register_model(cls=None, *, name=None):
 
 
 def register_norm_layer(cls=None, *, name=None):
-    """Register a norm layer in mmengine's root ``MODELS`` (for ``build_norm_layer``) and both children."""
+    """Register a norm layer in mmengine's root ``MODELS`` (for ``build_norm_layer``) and in both
+    children."""
 
     def _register(module):
         ROOT_MODELS.register_module(name=name, module=module)
         return register_model(module, name=name)
 
     return _register if cls is None else _register(cls)
+
+
+register_norm_layer(DynamicTokenNorm, name='DTN')
+register_norm_layer(DynamicTokenNorm, name='DynamicTokenNorm')
+register_norm_layer(PatchNormConv2d)

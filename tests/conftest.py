@@ -3,16 +3,29 @@ import os
 
 import pytest
 
+from mmdtn import available_backends, get_dtn_backend, set_dtn_backend
 
-@pytest.fixture(params=['cpu_kernels', 'pytorch'])
-def dtn_implementation(request, monkeypatch):
-    """Runs a test with DynamicTokenNorm's fused CPU kernels and with its PyTorch implementation
-    (the one other devices use)."""
-    import mmdtn.models.layers.dynamic_token_norm as dtn_module
-    if request.param == 'cpu_kernels' and dtn_module._native_ops is None:
-        if os.environ.get('MMDTN_WITH_OPS') == '0':
+#: The DTN backends of a CPU machine. 'cpu' needs the kernels that `pip install -e .` builds.
+CPU_BACKENDS = ['cpu', 'torch']
+
+
+@pytest.fixture
+def backend_setting():
+    """Restores DynamicTokenNorm's backend setting after a test that changes it."""
+    saved = get_dtn_backend()
+    yield
+    set_dtn_backend(saved)
+
+
+@pytest.fixture(params=CPU_BACKENDS)
+def dtn_backend(request, backend_setting):
+    """Runs a test on every DynamicTokenNorm backend that runs CPU tensors (set with
+    ``mmdtn.set_dtn_backend``; restored afterwards). Returns the backend's name."""
+    name = request.param
+    if name not in available_backends('cpu'):
+        if name == 'cpu' and os.environ.get('MMDTN_WITH_OPS') == '0':
             pytest.skip('mmdtn was installed with MMDTN_WITH_OPS=0, without its CPU kernels')
-        pytest.fail('the CPU kernels of DynamicTokenNorm are not built: run `pip install -e .` '
-                    '(or `make install`) with a C++ compiler')
-    monkeypatch.setattr(dtn_module, 'USE_CPU_KERNELS', request.param == 'cpu_kernels')
-    return request.param
+        pytest.fail(f'the {name!r} DynamicTokenNorm backend cannot run here: the CPU kernels are '
+                    'built by `pip install -e .` (or `make install`) with a C++ compiler')
+    set_dtn_backend(name)
+    return name

@@ -3,11 +3,11 @@ import pytest
 import torch
 
 from mmdtn import DynamicTokenNorm, convert_reference_state_dict
-from mmdtn.models.layers.dynamic_token_norm import neighbourhood_offsets
+from mmdtn import neighbourhood_offsets
 from mmdtn.models.layers.reference_compat import REFERENCE_ONLY_VAR_MEAN_GATE
 
-# every test runs with the fused CPU kernels and with the PyTorch implementation
-pytestmark = pytest.mark.usefixtures('dtn_implementation')
+# every test runs on every DynamicTokenNorm backend of the CPU
+pytestmark = pytest.mark.usefixtures('dtn_backend')
 
 
 def reference_forward(x, sd, heads, side, pool, eps):

@@ -135,9 +135,9 @@ pip_q install -c "$CONSTRAINTS" -r "$ROOT/requirements/runtime.txt" -r "$ROOT/re
   || die "could not install requirements/runtime.txt"
 
 step "mmdtn (editable, with its C++ CPU kernels)"
-KERNELS=$(ls "$ROOT"/mmdtn/models/layers/_dynamic_token_norm_cpu*.so 2>/dev/null | head -n 1 || true)
+KERNELS=$(ls "$ROOT"/mmdtn/models/layers/dtn/_cpu_kernels*.so 2>/dev/null | head -n 1 || true)
 if [ -n "$KERNELS" ] && "$VENV/bin/python" -m pip show -q mmdtn >/dev/null 2>&1 \
-    && [ -z "$(find "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT"/mmdtn/models/layers/dynamic_token_norm_cpu* -newer "$KERNELS")" ]; then
+    && [ -z "$(find "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT"/mmdtn/models/layers/dtn/csrc -newer "$KERNELS")" ]; then
   echo "already installed, kernels up to date"
 else
   pip_q install -c "$CONSTRAINTS" --no-build-isolation --no-deps -e "$ROOT" || die "could not install mmdtn"
@@ -149,8 +149,8 @@ import pkg_resources  # noqa: F401  (mmengine and mmcv need it: setuptools < 81)
 import mmcv, mmdet, mmengine, mmseg, timm, torch
 import os
 import mmdtn
-from mmdtn.models.layers import dynamic_token_norm
-if dynamic_token_norm._native_ops is None and os.environ.get('MMDTN_WITH_OPS') != '0':
+from mmdtn import available_backends
+if 'cpu' not in available_backends('cpu') and os.environ.get('MMDTN_WITH_OPS') != '0':
     raise SystemExit("mmdtn's CPU kernels did not build; MMDTN_WITH_OPS=0 installs without them")
 print(f'mmdtn {mmdtn.__version__}: torch {torch.__version__}, mmcv {mmcv.__version__}, mmengine {mmengine.__version__}, '
       f'mmdet {mmdet.__version__}, mmseg {mmseg.__version__}, timm {timm.__version__}')

@@ -1,7 +1,6 @@
-"""mmdtn's models: the DTN and DPN layers and the backbones that use them."""
-from .backbones import *  # noqa: F401,F403
-from .backbones import __all__ as _backbones_all
+"""mmdtn's models: the DTN and DPN layers (torch alone) and, in :mod:`.backbones`, the mmdet
+backbones that use them."""
 from .layers import *  # noqa: F401,F403
 from .layers import __all__ as _layers_all
 
-__all__ = [*_layers_all, *_backbones_all]
+__all__ = list(_layers_all)

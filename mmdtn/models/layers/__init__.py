@@ -1,6 +1,7 @@
 """Normalisation layers: Dynamic Token Normalization (with reference-code compatibility) and
 Dual PatchNorm."""
-from .dynamic_token_norm import LAYERNORM_GATE_LOGIT, DynamicTokenNorm, neighbourhood_offsets
+from .dtn import (LAYERNORM_GATE_LOGIT, DynamicTokenNorm, available_backends, get_dtn_backend,
+                  neighbourhood_offsets, set_dtn_backend)
 from .reference_compat import convert_reference_state_dict
 from .dual_patchnorm import PatchNormConv2d, add_dual_patchnorm
 
@@ -14,6 +15,9 @@ __all__ = [
     'DTN_ONLY_PARAMETERS',
     'LAYERNORM_GATE_LOGIT',
     'neighbourhood_offsets',
+    'set_dtn_backend',
+    'get_dtn_backend',
+    'available_backends',
     'convert_reference_state_dict',
     'PatchNormConv2d',
     'add_dual_patchnorm',

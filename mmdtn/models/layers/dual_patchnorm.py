@@ -26,14 +26,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mmdtn.registry import register_norm_layer
-
 __all__ = ['PatchNormConv2d', 'add_dual_patchnorm']
 
 
-# Registered in mmengine's root MODELS as well (via register_norm_layer), where mmcv's
-# ``build_conv_layer`` looks: ``PatchEmbed(conv_type='PatchNormConv2d', ...)`` is a DPN embedding.
-@register_norm_layer
 class PatchNormConv2d(nn.Conv2d):
     """A ``Conv2d`` that layer-normalises each of its input patches before projecting it.
 

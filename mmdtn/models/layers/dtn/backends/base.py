@@ -1,0 +1,151 @@
+"""The contract between DynamicTokenNorm and its backends.
+
+A backend runs the passes of :mod:`..function` (statistics, output, token gradients, input
+gradient, and the products with the positional factors) for the inputs it supports, and makes them
+differentiable with :func:`..function.define_traced_function` (passes PyTorch can trace) or
+:func:`..function.define_custom_ops` (compiled kernels).
+"""
+import contextlib
+from typing import Optional
+
+import torch
+
+__all__ = ['Backend', 'DenseFactor', 'KernelLaunch', 'recording_launches', 'record_launch',
+           'RecordedKernels']
+
+
+class Backend:
+    """Base class of the DTN backends; see :mod:`mmdtn.models.layers.dtn.backends`."""
+
+    #: the name used by ``set_dtn_backend`` and ``MMDTN_DTN_BACKEND``
+    name = None
+    #: device types whose inputs ``auto`` hands to this backend, before the portable one
+    devices = ()
+    #: dtypes of x read as they are; x of another dtype is first converted to the computation
+    #: dtype (float32 or float64)
+    input_dtypes = (torch.float32, torch.float64)
+
+    def supports(self, x, grid, dtype) -> Optional[str]:
+        """Why this backend cannot run tokens ``x`` on ``grid`` with statistics in ``dtype``
+        (float32 or float64), or None if it can. The layer converts x of a dtype not in
+        :attr:`input_dtypes` to ``dtype`` before the call."""
+        raise NotImplementedError
+
+    def apply(self, x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
+        """DTN of x (differentiable with respect to every tensor argument)."""
+        raise NotImplementedError
+
+    # the passes of function.dtn_forward and function.dtn_backward
+    def statistics(self, x, grid, convention):
+        """Eq. 2 per token and the cell moments: a TokenStatistics."""
+        raise NotImplementedError
+
+    def factor(self, p):
+        """The products with one positional factor p (heads, L, L): an object with
+        ``matmul(x, transpose=False)`` and ``outer(a, x)`` (see :class:`DenseFactor`)."""
+        return DenseFactor(p)
+
+    def output(self, x, stats, m, ratios, weight, bias, eps, grid):
+        """Eqs. 4-5: y from x, the statistics and the head-major products m."""
+        raise NotImplementedError
+
+    def token_gradients(self, g, x, saved, m, ratios, weight, eps, grid):
+        """Backward pass 1: (what pass 2 takes from it, the sums (6, C) for the parameters,
+        dL/dm head-major); see dtn_backward."""
+        raise NotImplementedError
+
+    def input_gradient(self, tokens, g, x, saved, m, ratios, weight, eps, n_var, d_first,
+                       d_second, grid):
+        """Backward pass 2: dx from pass 1's ``tokens``, the gradient of Eq. 2 and the
+        column-major dL/dT (d_second may be None)."""
+        raise NotImplementedError
+
+    def fuses_products(self, x, grid, p_x):
+        """Whether the positional products are fused with the passes over the tokens (then
+        ``fused_output`` and ``fused_backward`` replace the staged passes)."""
+        return False
+
+
+class DenseFactor:
+    """Products with one positional factor P (heads, L, L) as batched dense matrix products.
+    Batches x (heads * group, L, N) use P[k // group] for matrix k."""
+
+    def __init__(self, p):
+        self.p = p
+
+    def _factors(self, x):
+        heads, L = self.p.shape[0], self.p.shape[-1]
+        group = x.shape[0] // heads
+        return self.p[:, None].expand(heads, group, L, L).reshape(-1, L, L)
+
+    def matmul(self, x, transpose=False):
+        """P X, or P^T X with ``transpose``."""
+        p = self._factors(x)
+        return torch.bmm(p.transpose(1, 2) if transpose else p, x)
+
+    def outer(self, a, x):
+        """The gradient of P for u = P x and dL/du = a, per matrix: a x^T (n, L, L)."""
+        return torch.bmm(a, x.transpose(1, 2))
+
+
+# ---------------------------------------------------------------------------- launch records
+class KernelLaunch:
+    """One launch of a compiled kernel: its name and the bytes it reads and writes."""
+
+    __slots__ = ('name', 'read', 'written')
+
+    def __init__(self, name, read, written):
+        self.name, self.read, self.written = name, read, written
+
+
+_records = []  # the lists that recording_launches is filling, innermost last
+
+
+@contextlib.contextmanager
+def recording_launches():
+    """Collects a :class:`KernelLaunch` for every compiled kernel launched inside (benchmarks);
+    PyTorch's own operations are not included."""
+    launches = []
+    _records.append(launches)
+    try:
+        yield launches
+    finally:
+        _records.remove(launches)
+
+
+def record_launch(name, read, written):
+    """Notes a launch of ``name`` reading and writing the given numbers of bytes, if recording."""
+    if _records:
+        _records[-1].append(KernelLaunch(name, read, written))
+
+
+def _tensor_bytes(values):
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+
+class RecordedKernels:
+    """The functions of a compiled extension module, each call recorded by
+    :func:`recording_launches` with the bytes of its tensor operands: arguments read, results
+    written, and the arguments named in ``in_place`` both read and written."""
+
+    def __init__(self, module, prefix, in_place=None):
+        self._module, self._prefix, self._in_place = module, prefix, in_place or {}
+        self._functions = {}
+
+    def __getattr__(self, name):
+        if name not in self._functions:
+            self._functions[name] = self._recorded(name, getattr(self._module, name))
+        return self._functions[name]
+
+    def _recorded(self, name, fn):
+        label, in_place = f'{self._prefix}.{name}', self._in_place.get(name, ())
+
+        def call(**kwargs):
+            out = fn(**kwargs)
+            if _records:
+                results = out if isinstance(out, (list, tuple)) else [out]
+                written = _tensor_bytes(results) + _tensor_bytes(kwargs[k] for k in in_place)
+                record_launch(label, _tensor_bytes(kwargs.values()), written)
+            return out
+
+        return call

@@ -1,0 +1,470 @@
+"""Triton kernels of DynamicTokenNorm's full-resolution passes (Shao et al., ICLR 2022, Eqs. 2, 4,
+5), each followed by the function that launches it.
+
+Tokens x are (B, N, C) in float16, bfloat16 or float32, read as they are; everything is computed
+and accumulated in float32, and the outputs have x's dtype. A program holds whole tokens (all C
+channels, ``C_BLOCK`` = the next power of two), so the intra-token statistics of Eq. 2 never leave
+its registers. H, W, N and the strides are runtime arguments: a new resolution launches the same
+compiled kernels. Cell tensors (the products m, their gradients) are strided (B, Hp, Wp, heads, d)
+views with a contiguous last dimension, as in the CPU kernels.
+
+Forward: :func:`statistics` (Eq. 2 per token and, per cell, the mean of x and the sum of squares
+about it, in one read of x), then the positional products on the cell grid (PyTorch, in
+``function.py``), then :func:`output` (Eqs. 4-5: one read of x, one write of y). Backward:
+:func:`token_gradients` (dL/dm of every cell and the sums over the tokens for the parameters, one
+read of x and dL/dy; the sums are written per program and added up afterwards, in a fixed order:
+no float atomics), the products backwards, then :func:`input_gradient` (one read of x and dL/dy,
+one write of dx), which recomputes the per-token terms instead of storing them.
+
+Every launch is recorded with the bytes of its operands (:func:`.base.record_launch`); with meta
+tensors the launches are only recorded, which gives the traffic of any shape without a GPU.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .base import record_launch
+
+__all__ = ['statistics', 'output', 'token_gradients', 'input_gradient', 'launch_configs']
+
+#: Elements of x a program holds at a time (TILE tokens x C_BLOCK channels).
+TILE_ELEMENTS = 4096
+#: Tokens a program of the per-token passes without pooling covers (its partial sums are
+#: written once: more tokens per program, fewer partial sums to add up).
+TOKENS_PER_PROGRAM = 256
+#: Cells of one cell row a program of the passes with pooling covers.
+CELLS_PER_PROGRAM = 8
+
+
+def _bytes(*tensors):
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _launch(name, kernel, grid, reads, writes, num_warps, *args, **constexprs):
+    record_launch(name, _bytes(*reads), _bytes(*writes))
+    if reads[0].device.type != 'meta':
+        kernel[grid](*args, **constexprs, num_warps=num_warps)
+
+
+def _c_block(C):
+    return triton.next_power_of_2(C)
+
+
+def _tile(C, S_BLOCK=1):
+    """Tokens per tile: TILE_ELEMENTS / C_BLOCK, at least one row of a cell."""
+    return max(S_BLOCK, min(64, TILE_ELEMENTS // _c_block(C)))
+
+
+def _warps(C):
+    return 4 if _c_block(C) <= 256 else 8
+
+
+# ---------------------------------------------------------------------------- shared pieces
+@triton.jit
+def _load_tokens(x_ptr, tokens, valid, C, C_BLOCK: tl.constexpr):
+    """Tokens (TILE,) of x (rows of C), as float32 [TILE, C_BLOCK], zeros outside; and the mask."""
+    cols = tl.arange(0, C_BLOCK)
+    mask = valid[:, None] & (cols[None, :] < C)
+    x = tl.load(x_ptr + tokens[:, None].to(tl.int64) * C + cols[None, :], mask=mask, other=0.0)
+    return x.to(tl.float32), mask
+
+
+@triton.jit
+def _ln_statistics(x, mask, C, n_var):
+    """Eq. 2 per token: the mean, and the variance about it divided by n_var (two passes)."""
+    mean = tl.sum(x, axis=1) / C
+    diff = tl.where(mask, x - mean[:, None], 0.0)
+    return mean, tl.sum(diff * diff, axis=1) / n_var
+
+
+@triton.jit
+def _cell_offsets(ci, cj, cols, d, sb, si, sj, sh, b):
+    """Offsets [TILE, C_BLOCK] of channel ``cols`` of cells (b, ci, cj) in a strided
+    (B, Hp, Wp, heads, d) view."""
+    head, k = cols // d, cols % d
+    base = b.to(tl.int64) * sb + ci * si
+    return base + cj[:, None].to(tl.int64) * sj + (head * sh + k)[None, :]
+
+
+@triton.jit
+def _inter_token(first_ptr, second_ptr, offsets, mask, RAW: tl.constexpr):
+    """P^h T_0 and the inter-token variance at ``offsets``: ``second`` is the variance itself
+    (with pooling) or the raw second moment P^h T_1 (RAW, without)."""
+    first = tl.load(first_ptr + offsets, mask=mask, other=0.0)
+    second = tl.load(second_ptr + offsets, mask=mask, other=0.0)
+    if RAW:
+        second = tl.maximum(second - first * first, 0.0)
+    return first, second
+
+
+@triton.jit
+def _normalised(x, mean_ln, var_ln, first, var_it, centre, lam_m, kap_m, lam_v, kap_v, eps):
+    """Eq. 5 inside Eq. 4 without the affine: rstd and xhat [TILE, C_BLOCK]."""
+    rstd = tl.rsqrt(lam_v * var_ln[:, None] + kap_v * var_it + eps)
+    xhat = (x - lam_m * mean_ln[:, None] - kap_m * (first + centre)) * rstd
+    return rstd, xhat
+
+
+@triton.jit
+def _channel_rows(ratios_ptr, weight_ptr, C, C_BLOCK: tl.constexpr):
+    """lambda_m, 1 - lambda_m, lambda_v, 1 - lambda_v and the weight, each [1, C_BLOCK]."""
+    cols = tl.arange(0, C_BLOCK)
+    m = cols < C
+    lam_m = tl.load(ratios_ptr + cols, mask=m, other=0.0)[None, :]
+    kap_m = tl.load(ratios_ptr + C + cols, mask=m, other=0.0)[None, :]
+    lam_v = tl.load(ratios_ptr + 2 * C + cols, mask=m, other=0.0)[None, :]
+    kap_v = tl.load(ratios_ptr + 3 * C + cols, mask=m, other=0.0)[None, :]
+    weight = tl.load(weight_ptr + cols, mask=m, other=0.0)[None, :]
+    return lam_m, kap_m, lam_v, kap_v, weight
+
+
+# ---------------------------------------------------------------------------- statistics
+@triton.jit(do_not_specialize=['N', 'C'])
+def _token_statistics_kernel(x_ptr, mean_ptr, var_ptr, partial_ptr, N, C, n_var,
+                             TILE: tl.constexpr, TILES: tl.constexpr, C_BLOCK: tl.constexpr):
+    """Without pooling: Eq. 2 for TILE * TILES tokens of image b, and their sum per channel."""
+    b, p = tl.program_id(0), tl.program_id(1)
+    cols = tl.arange(0, C_BLOCK)
+    total = tl.zeros([C_BLOCK], tl.float32)
+    for t in range(TILES):
+        tokens = (p * TILES + t) * TILE + tl.arange(0, TILE)
+        valid = tokens < N
+        x, mask = _load_tokens(x_ptr + b.to(tl.int64) * N * C, tokens, valid, C, C_BLOCK)
+        mean, var = _ln_statistics(x, mask, C, n_var)
+        tl.store(mean_ptr + b * N + tokens, mean, mask=valid)
+        tl.store(var_ptr + b * N + tokens, var, mask=valid)
+        total += tl.sum(x, axis=0)
+    tl.store(partial_ptr + (b * tl.num_programs(1) + p).to(tl.int64) * C + cols, total,
+             mask=cols < C)
+
+
+@triton.jit(do_not_specialize=['H', 'W', 'C'])
+def _cell_statistics_kernel(x_ptr, mean_ptr, var_ptr, cell_mean_ptr, cell_m2_ptr, H, W, C,
+                            pool, n_var, CELLS: tl.constexpr, S_BLOCK: tl.constexpr,
+                            C_BLOCK: tl.constexpr):
+    """With pooling: Eq. 2 for the tokens of CELLS cells of cell row ci of image b, and per cell
+    the mean of x and the sum of squares about it (rows merged as in Chan et al.)."""
+    row, block = tl.program_id(0), tl.program_id(1)
+    Hp, Wp = (H + pool - 1) // pool, (W + pool - 1) // pool
+    b, ci = row // Hp, row % Hp
+    cols = tl.arange(0, C_BLOCK)
+    x_image = x_ptr + b.to(tl.int64) * H * W * C
+    for c in range(CELLS):
+        cj = block * CELLS + c
+        if cj < Wp:
+            count = tl.zeros([C_BLOCK], tl.float32)
+            mean = tl.zeros([C_BLOCK], tl.float32)
+            m2 = tl.zeros([C_BLOCK], tl.float32)
+            j = cj * pool + tl.arange(0, S_BLOCK)
+            in_cell = (j < W) & (tl.arange(0, S_BLOCK) < pool)
+            for r in range(0, pool):
+                i = ci * pool + r
+                valid = in_cell & (i < H)
+                tokens = i * W + j
+                x, mask = _load_tokens(x_image, tokens, valid, C, C_BLOCK)
+                mu, var = _ln_statistics(x, mask, C, n_var)
+                tl.store(mean_ptr + b * H * W + tokens, mu, mask=valid)
+                tl.store(var_ptr + b * H * W + tokens, var, mask=valid)
+                n = tl.sum(valid.to(tl.float32), axis=0)
+                row_mean = tl.sum(x, axis=0) / tl.maximum(n, 1.0)
+                diff = tl.where(mask, x - row_mean[None, :], 0.0)
+                row_m2 = tl.sum(diff * diff, axis=0)
+                total = count + n
+                delta = row_mean - mean
+                share = n / tl.maximum(total, 1.0)
+                mean += delta * share
+                m2 += row_m2 + delta * delta * count * share
+                count = total
+            out = (row * Wp + cj).to(tl.int64) * C + cols
+            tl.store(cell_mean_ptr + out, mean, mask=cols < C)
+            tl.store(cell_m2_ptr + out, m2, mask=cols < C)
+
+
+def statistics(x, grid, n_var):
+    """Eq. 2 per token, float32 (B, N, 1) each, and the cell moments of x: without pooling the
+    per-image channel sums (B, P, C) of P programs; with pooling the cell means and the sums of
+    squares about them, (B, Hp, Wp, C) each."""
+    B, N, C = x.shape
+    f32 = dict(dtype=torch.float32, device=x.device)
+    mean_ln, var_ln = torch.empty(B, N, 1, **f32), torch.empty(B, N, 1, **f32)
+    C_BLOCK = _c_block(C)
+    if not grid.pooled:
+        TILE = _tile(C)
+        TILES = max(1, TOKENS_PER_PROGRAM // TILE)
+        programs = triton.cdiv(N, TILE * TILES)
+        partial = torch.empty(B, programs, C, **f32)
+        _launch('triton.token_statistics', _token_statistics_kernel, (B, programs), [x],
+                [mean_ln, var_ln, partial], _warps(C), x, mean_ln, var_ln, partial, N, C,
+                float(n_var), TILE=TILE, TILES=TILES, C_BLOCK=C_BLOCK)
+        return mean_ln, var_ln, partial
+    cell_mean = torch.empty(B, grid.Hp, grid.Wp, C, **f32)
+    cell_m2 = torch.empty_like(cell_mean)
+    S_BLOCK = triton.next_power_of_2(grid.pool)
+    _launch('triton.cell_statistics', _cell_statistics_kernel,
+            (B * grid.Hp, triton.cdiv(grid.Wp, CELLS_PER_PROGRAM)), [x],
+            [mean_ln, var_ln, cell_mean, cell_m2], _warps(C), x, mean_ln, var_ln, cell_mean,
+            cell_m2, grid.H, grid.W, C, grid.pool, float(n_var), CELLS=CELLS_PER_PROGRAM,
+            S_BLOCK=S_BLOCK, C_BLOCK=C_BLOCK)
+    return mean_ln, var_ln, (cell_mean, cell_m2)
+
+
+# ---------------------------------------------------------------------------- output
+@triton.jit(do_not_specialize=['H', 'W', 'C'])
+def _output_kernel(x_ptr, mean_ptr, var_ptr, first_ptr, second_ptr, centre_ptr, ratios_ptr,
+                   weight_ptr, bias_ptr, y_ptr, H, W, C, pool, d, sb, si, sj, sh, eps,
+                   RAW: tl.constexpr, TILE: tl.constexpr, C_BLOCK: tl.constexpr):
+    """Eqs. 4 and 5 for TILE tokens of token row i of image b."""
+    row, block = tl.program_id(0), tl.program_id(1)
+    b, i = row // H, row % H
+    j = block * TILE + tl.arange(0, TILE)
+    valid = j < W
+    tokens = b * H * W + i * W + j
+    x, mask = _load_tokens(x_ptr, tokens, valid, C, C_BLOCK)
+    cols = tl.arange(0, C_BLOCK)
+    cell = _cell_offsets(i // pool, j // pool, cols, d, sb, si, sj, sh, b)
+    first, var_it = _inter_token(first_ptr, second_ptr, cell, mask, RAW)
+    centre = tl.load(centre_ptr + b * C + cols, mask=cols < C, other=0.0)[None, :]
+    lam_m, kap_m, lam_v, kap_v, weight = _channel_rows(ratios_ptr, weight_ptr, C, C_BLOCK)
+    bias = tl.load(bias_ptr + cols, mask=cols < C, other=0.0)[None, :]
+    mean_ln = tl.load(mean_ptr + tokens, mask=valid, other=0.0)
+    var_ln = tl.load(var_ptr + tokens, mask=valid, other=0.0)
+    _, xhat = _normalised(x, mean_ln, var_ln, first, var_it, centre, lam_m, kap_m, lam_v, kap_v,
+                          eps)
+    y = xhat * weight + bias
+    tl.store(y_ptr + tokens[:, None].to(tl.int64) * C + cols[None, :],
+             y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def output(x, mean_ln, var_ln, first, second, centre, ratios, weight, bias, eps, grid):
+    """y (x's shape and dtype) from x, Eq. 2 and the cell views of m (see the module docstring)."""
+    B, N, C = x.shape
+    y = x.new_empty(x.shape)
+    TILE = _tile(C)
+    _launch('triton.output', _output_kernel, (B * grid.H, triton.cdiv(grid.W, TILE)),
+            [x, mean_ln, var_ln, first, second, centre, ratios, weight, bias], [y], _warps(C),
+            x, mean_ln, var_ln, first, second, centre, ratios, weight, bias, y, grid.H, grid.W, C,
+            grid.pool, grid.d, *first.stride()[:4], float(eps), RAW=not grid.pooled, TILE=TILE,
+            C_BLOCK=_c_block(C))
+    return y
+
+
+# ---------------------------------------------------------------------------- backward pass 1
+@triton.jit
+def _token_terms(x, g, mean_ln, var_ln, first, var_it, centre, lam_m, kap_m, lam_v, kap_v,
+                 weight, eps):
+    """D1 = g w rstd (= -dL/dmu), D2 = D1 xhat rstd (= -2 dL/dvar) and xhat g."""
+    rstd, xhat = _normalised(x, mean_ln, var_ln, first, var_it, centre, lam_m, kap_m, lam_v,
+                             kap_v, eps)
+    d1 = g * weight * rstd
+    return d1, d1 * xhat * rstd, xhat * g
+
+
+@triton.jit
+def _store_sums(partial_ptr, program, C, xg, g, mu_d1, var_d2, mit_d1, vit_d2,
+                C_BLOCK: tl.constexpr):
+    """The six sums over a program's tokens (see function.parameter_gradients) at row
+    ``program`` of the partial sums (programs, 6, C)."""
+    cols = tl.arange(0, C_BLOCK)
+    m = cols < C
+    out = partial_ptr + program.to(tl.int64) * 6 * C + cols
+    tl.store(out, xg, mask=m)
+    tl.store(out + C, g, mask=m)
+    tl.store(out + 2 * C, mu_d1, mask=m)
+    tl.store(out + 3 * C, var_d2, mask=m)
+    tl.store(out + 4 * C, mit_d1, mask=m)
+    tl.store(out + 5 * C, vit_d2, mask=m)
+
+
+@triton.jit(do_not_specialize=['N', 'C'])
+def _token_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, first_ptr, second_ptr, centre_ptr,
+                            ratios_ptr, weight_ptr, dm_first_ptr, dm_second_ptr, partial_ptr, N,
+                            C, d, sb, sj, sh, eps, TILE: tl.constexpr, TILES: tl.constexpr,
+                            C_BLOCK: tl.constexpr):
+    """Without pooling (every token its own cell): dL/dm of TILE * TILES tokens of image b,
+    and their sums for the parameters. Cell views are indexed (b, token) with si = 0, sj the
+    token stride."""
+    b, p = tl.program_id(0), tl.program_id(1)
+    cols = tl.arange(0, C_BLOCK)
+    centre = tl.load(centre_ptr + b * C + cols, mask=cols < C, other=0.0)[None, :]
+    lam_m, kap_m, lam_v, kap_v, weight = _channel_rows(ratios_ptr, weight_ptr, C, C_BLOCK)
+    s_xg = tl.zeros([C_BLOCK], tl.float32)
+    s_g = tl.zeros([C_BLOCK], tl.float32)
+    s_mu = tl.zeros([C_BLOCK], tl.float32)
+    s_var = tl.zeros([C_BLOCK], tl.float32)
+    s_mit = tl.zeros([C_BLOCK], tl.float32)
+    s_vit = tl.zeros([C_BLOCK], tl.float32)
+    for t in range(TILES):
+        j = (p * TILES + t) * TILE + tl.arange(0, TILE)
+        valid = j < N
+        tokens = b * N + j
+        x, mask = _load_tokens(x_ptr, tokens, valid, C, C_BLOCK)
+        g, _ = _load_tokens(g_ptr, tokens, valid, C, C_BLOCK)
+        mean_ln = tl.load(mean_ptr + tokens, mask=valid, other=0.0)
+        var_ln = tl.load(var_ptr + tokens, mask=valid, other=0.0)
+        cell = _cell_offsets(0, j, cols, d, sb, 0, sj, sh, b)  # token j of the image
+        first, var_it = _inter_token(first_ptr, second_ptr, cell, mask, True)
+        d1, d2, xg = _token_terms(x, g, mean_ln, var_ln, first, var_it, centre, lam_m, kap_m,
+                                  lam_v, kap_v, weight, eps)
+        d1, d2 = tl.where(mask, d1, 0.0), tl.where(mask, d2, 0.0)
+        # dL/dm_second = dL/dvar_it [var_it > 0], dL/dm_first = dL/dmu_it - 2 m_first dL/dm_second
+        dm_second = tl.where(var_it > 0, -0.5 * kap_v * d2, 0.0)
+        tl.store(dm_first_ptr + cell, -kap_m * d1 - 2.0 * first * dm_second, mask=mask)
+        tl.store(dm_second_ptr + cell, dm_second, mask=mask)
+        s_xg += tl.sum(tl.where(mask, xg, 0.0), axis=0)
+        s_g += tl.sum(g, axis=0)
+        s_mu += tl.sum(mean_ln[:, None] * d1, axis=0)
+        s_var += tl.sum(var_ln[:, None] * d2, axis=0)
+        s_mit += tl.sum((first + centre) * d1, axis=0)
+        s_vit += tl.sum(var_it * d2, axis=0)
+    _store_sums(partial_ptr, b * tl.num_programs(1) + p, C, s_xg, s_g, s_mu, s_var, s_mit, s_vit,
+                C_BLOCK)
+
+
+@triton.jit(do_not_specialize=['H', 'W', 'C'])
+def _cell_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, first_ptr, second_ptr, centre_ptr,
+                           ratios_ptr, weight_ptr, dm_first_ptr, dm_second_ptr, partial_ptr, H, W,
+                           C, pool, d, sb, si, sj, sh, eps, CELLS: tl.constexpr,
+                           S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
+    """With pooling: dL/dm of CELLS cells of cell row ci of image b from the sums of D1 and D2
+    over their tokens, and the sums for the parameters."""
+    row, block = tl.program_id(0), tl.program_id(1)
+    Hp, Wp = (H + pool - 1) // pool, (W + pool - 1) // pool
+    b, ci = row // Hp, row % Hp
+    cols = tl.arange(0, C_BLOCK)
+    cmask = cols < C
+    centre = tl.load(centre_ptr + b * C + cols, mask=cmask, other=0.0)
+    lam_m, kap_m, lam_v, kap_v, weight = _channel_rows(ratios_ptr, weight_ptr, C, C_BLOCK)
+    s_xg = tl.zeros([C_BLOCK], tl.float32)
+    s_g = tl.zeros([C_BLOCK], tl.float32)
+    s_mu = tl.zeros([C_BLOCK], tl.float32)
+    s_var = tl.zeros([C_BLOCK], tl.float32)
+    s_mit = tl.zeros([C_BLOCK], tl.float32)
+    s_vit = tl.zeros([C_BLOCK], tl.float32)
+    for c in range(CELLS):
+        cj = block * CELLS + c
+        if cj < Wp:
+            # the cell's statistics as one row [1, C_BLOCK], broadcast over its tokens
+            cell = _cell_offsets(ci, cj + tl.zeros([1], tl.int32), cols, d, sb, si, sj, sh, b)
+            first, var_it = _inter_token(first_ptr, second_ptr, cell, cmask[None, :], False)
+            cell_d1 = tl.zeros([C_BLOCK], tl.float32)
+            cell_d2 = tl.zeros([C_BLOCK], tl.float32)
+            j = cj * pool + tl.arange(0, S_BLOCK)
+            in_cell = (j < W) & (tl.arange(0, S_BLOCK) < pool)
+            for r in range(0, pool):
+                i = ci * pool + r
+                valid = in_cell & (i < H)
+                tokens = b * H * W + i * W + j
+                x, mask = _load_tokens(x_ptr, tokens, valid, C, C_BLOCK)
+                g, _ = _load_tokens(g_ptr, tokens, valid, C, C_BLOCK)
+                mean_ln = tl.load(mean_ptr + tokens, mask=valid, other=0.0)
+                var_ln = tl.load(var_ptr + tokens, mask=valid, other=0.0)
+                d1, d2, xg = _token_terms(x, g, mean_ln, var_ln, first, var_it, centre[None, :],
+                                          lam_m, kap_m, lam_v, kap_v, weight, eps)
+                d1, d2 = tl.where(mask, d1, 0.0), tl.where(mask, d2, 0.0)
+                cell_d1 += tl.sum(d1, axis=0)
+                cell_d2 += tl.sum(d2, axis=0)
+                s_xg += tl.sum(tl.where(mask, xg, 0.0), axis=0)
+                s_g += tl.sum(g, axis=0)
+                s_mu += tl.sum(mean_ln[:, None] * d1, axis=0)
+                s_var += tl.sum(var_ln[:, None] * d2, axis=0)
+            first = tl.reshape(first, [C_BLOCK])
+            var_it = tl.reshape(var_it, [C_BLOCK])
+            s_mit += (first + centre) * cell_d1
+            s_vit += var_it * cell_d2
+            # dL/dm_second = dL/dvar_it [var_it > 0], dL/dm_first = dL/dmu_it - 2 m_first dm_second
+            dm_second = tl.where(var_it > 0, -0.5 * tl.reshape(kap_v, [C_BLOCK]) * cell_d2, 0.0)
+            dm_first = -tl.reshape(kap_m, [C_BLOCK]) * cell_d1 - 2.0 * first * dm_second
+            cell = tl.reshape(cell, [C_BLOCK])
+            tl.store(dm_first_ptr + cell, dm_first, mask=cmask)
+            tl.store(dm_second_ptr + cell, dm_second, mask=cmask)
+    _store_sums(partial_ptr, row * tl.num_programs(1) + block, C, s_xg, s_g, s_mu, s_var, s_mit,
+                s_vit, C_BLOCK)
+
+
+def token_gradients(g, x, mean_ln, var_ln, first, second, centre, ratios, weight, eps, dm, grid):
+    """dL/dm into the head-major ``dm`` (its two slots, as cell views) and the sums (6, C)."""
+    B, N, C = x.shape
+    dm_first, dm_second = (grid.from_head_major(t) for t in dm.unbind(1))
+    assert dm_first.stride() == first.stride(), 'dL/dm in the layout of m'
+    reads = [g, x, mean_ln, var_ln, first, second, centre, ratios, weight]
+    C_BLOCK = _c_block(C)
+    if not grid.pooled:
+        TILE = _tile(C)
+        TILES = max(1, TOKENS_PER_PROGRAM // TILE)
+        programs = (B, triton.cdiv(N, TILE * TILES))
+        partial = x.new_empty(B * programs[1], 6, C, dtype=first.dtype)
+        sb, si, sj, sh = first.stride()[:4]
+        assert si == grid.W * sj, 'cell views without pooling: (H, W) contiguous'
+        _launch('triton.token_gradients', _token_gradients_kernel, programs, reads,
+                [dm, partial], _warps(C), g, x, mean_ln, var_ln, first, second, centre, ratios,
+                weight, dm_first, dm_second, partial, N, C, grid.d, sb, sj, sh, float(eps),
+                TILE=TILE, TILES=TILES, C_BLOCK=C_BLOCK)
+    else:
+        programs = (B * grid.Hp, triton.cdiv(grid.Wp, CELLS_PER_PROGRAM))
+        partial = x.new_empty(programs[0] * programs[1], 6, C, dtype=first.dtype)
+        _launch('triton.cell_gradients', _cell_gradients_kernel, programs, reads, [dm, partial],
+                _warps(C), g, x, mean_ln, var_ln, first, second, centre, ratios, weight,
+                dm_first, dm_second, partial, grid.H, grid.W, C, grid.pool, grid.d,
+                *first.stride()[:4], float(eps), CELLS=CELLS_PER_PROGRAM,
+                S_BLOCK=triton.next_power_of_2(grid.pool), C_BLOCK=C_BLOCK)
+    return partial.sum(0)
+
+
+# ---------------------------------------------------------------------------- backward pass 2
+@triton.jit(do_not_specialize=['H', 'W', 'C'])
+def _input_gradient_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, first_ptr, second_ptr, centre_ptr,
+                           ratios_ptr, weight_ptr, d_first_ptr, d_second_ptr, dx_ptr, H, W, C,
+                           pool, d, sb, si, sj, sh, tb, ti, tj, th, eps, n_var,
+                           RAW: tl.constexpr, SECOND: tl.constexpr, TILE: tl.constexpr,
+                           C_BLOCK: tl.constexpr):
+    """dx for TILE tokens of token row i of image b: D1 + x beta + alpha (the gradient of Eq. 2)
+    + (dL/dT_0 + 2 (x - centre) dL/dT_1) / n, with D1 and the per-token sums recomputed."""
+    row, block = tl.program_id(0), tl.program_id(1)
+    b, i = row // H, row % H
+    j = block * TILE + tl.arange(0, TILE)
+    valid = j < W
+    tokens = b * H * W + i * W + j
+    x, mask = _load_tokens(x_ptr, tokens, valid, C, C_BLOCK)
+    g, _ = _load_tokens(g_ptr, tokens, valid, C, C_BLOCK)
+    cols = tl.arange(0, C_BLOCK)
+    ci, cj = i // pool, j // pool
+    first, var_it = _inter_token(first_ptr, second_ptr,
+                                 _cell_offsets(ci, cj, cols, d, sb, si, sj, sh, b), mask, RAW)
+    centre = tl.load(centre_ptr + b * C + cols, mask=cols < C, other=0.0)[None, :]
+    lam_m, kap_m, lam_v, kap_v, weight = _channel_rows(ratios_ptr, weight_ptr, C, C_BLOCK)
+    mean_ln = tl.load(mean_ptr + tokens, mask=valid, other=0.0)
+    var_ln = tl.load(var_ptr + tokens, mask=valid, other=0.0)
+    d1, d2, _ = _token_terms(x, g, mean_ln, var_ln, first, var_it, centre, lam_m, kap_m, lam_v,
+                             kap_v, weight, eps)
+    d1, d2 = tl.where(mask, d1, 0.0), tl.where(mask, d2, 0.0)
+    # Eq. 2 backwards: dL/dvar_ln = -sum(D2 lam_v) / 2, dL/dmu_ln = -sum(D1 lam_m)
+    beta = -tl.sum(d2 * lam_v, axis=1) / n_var
+    alpha = -tl.sum(d1 * lam_m, axis=1) / C - beta * mean_ln
+    rows = tl.minimum(H - ci * pool, pool)
+    columns = tl.minimum(W - cj * pool, pool)
+    inv_n = 1.0 / tl.maximum(rows * columns, 1).to(tl.float32)  # masked tokens: any n
+    cell = _cell_offsets(ci, cj, cols, d, tb, ti, tj, th, b)
+    dT = tl.load(d_first_ptr + cell, mask=mask, other=0.0)
+    if SECOND:
+        dT += 2.0 * (x - centre) * tl.load(d_second_ptr + cell, mask=mask, other=0.0)
+    dx = d1 + x * beta[:, None] + alpha[:, None] + dT * inv_n[:, None]
+    tl.store(dx_ptr + tokens[:, None].to(tl.int64) * C + cols[None, :],
+             dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def input_gradient(g, x, mean_ln, var_ln, first, second, centre, ratios, weight, eps, n_var,
+                   d_first, d_second, grid):
+    """dx (x's shape and dtype); d_first and d_second are cell views of dL/dT (d_second may be
+    None)."""
+    B, N, C = x.shape
+    dx = x.new_empty(x.shape)
+    TILE = _tile(C)
+    second_view = d_first if d_second is None else d_second
+    assert second_view.stride() == d_first.stride()
+    _launch('triton.input_gradient', _input_gradient_kernel, (B * grid.H, triton.cdiv(grid.W, TILE)),
+            [g, x, mean_ln, var_ln, first, second, centre, ratios, weight, d_first, d_second],
+            [dx], _warps(C), g, x, mean_ln, var_ln, first, second, centre, ratios, weight,
+            d_first, second_view, dx, grid.H, grid.W, C, grid.pool, grid.d, *first.stride()[:4],
+            *d_first.stride()[:4], float(eps), float(n_var), RAW=not grid.pooled,
+            SECOND=d_second is not None, TILE=TILE, C_BLOCK=_c_block(C))
+    return dx

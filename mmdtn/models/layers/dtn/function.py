@@ -1,0 +1,349 @@
+"""Forward and backward of Dynamic Token Normalization (Shao et al., ICLR 2022, Eqs. 2, 4, 5) over
+a backend's passes, and the two ways a backend is made differentiable and traceable.
+
+Forward, for tokens x (B, N, C) on the grid of :class:`~.grid.TokenGrid`::
+
+    statistics   mu_ln, var_ln per token (Eq. 2); per cell the mean of x and, about a per-channel
+                 centre, the mean of (x - centre)^2
+    moments      T = (cell mean - centre, second moment about the centre)
+    products     u = P_x T, m = P_y u: P^h T by its two factors (Eq. 5); with pooling m's second
+                 slot becomes the inter-token variance P T_1 - (P T_0)^2
+    output       y = gamma (x - mu) / sqrt(sigma2 + eps) + beta with mu, sigma2 of Eq. 5 (Eq. 4)
+
+and backward mirrors it: the token gradients (dL/dm per cell, the sums for the parameters), the
+products backwards (the gradients of P_y, P_x and dL/dT), the input gradient. Rows of P sum to 1, so
+the moments about the centre give exactly the statistics about 0 without the cancellation of
+E[x^2] - E[x]^2. A backend may fuse the products with the passes over the tokens (no pooling).
+
+Backends whose passes PyTorch can trace run inside an autograd Function
+(:func:`define_traced_function`) that ``torch.compile`` and ``torch.export`` trace through.
+Compiled kernels run inside ``torch.library`` custom ops (:func:`define_custom_ops`), with fake
+implementations and registered autograd, so that tracing never reaches them. Either way,
+everything backward needs goes through ``save_for_backward``.
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..reference_compat import StatisticsConvention
+from .grid import TokenGrid
+
+__all__ = ['TokenStatistics', 'Saved', 'Gradients', 'dtn_forward', 'dtn_backward',
+           'inter_token_statistics', 'ln_gradient', 'define_traced_function', 'define_custom_ops',
+           'CUSTOM_OP_IMPLEMENTATIONS']
+
+
+@dataclass
+class TokenStatistics:
+    """The statistics pass: per token ``mean_ln``, ``var_ln`` (B, N, 1) (Eq. 2); per image the
+    ``centre`` (B, 1, 1, C), the mean of the cell means; per cell ``cell_mean`` (B, Hp, Wp, C) and
+    ``cell_second``, the mean of (x - centre)^2, or None where the second moment is the square of
+    the first moment (no pooling, or the reference code's square of the pooled x)."""
+
+    mean_ln: Tensor
+    var_ln: Tensor
+    centre: Tensor
+    cell_mean: Tensor
+    cell_second: Optional[Tensor]
+
+
+@dataclass
+class Saved:
+    """What the backward pass keeps besides the inputs: the per-token statistics and the centre;
+    with pooling also the (small) moments T and products m, which without pooling are as large as
+    x and are recomputed."""
+
+    mean_ln: Tensor
+    var_ln: Tensor
+    centre: Tensor
+    moments: Optional[Tensor] = None
+    products: Optional[Tensor] = None
+
+    def tensors(self):
+        """The five tensors, empty ones standing for None (custom ops return no None)."""
+        def given(t):
+            return self.centre.new_empty(0) if t is None else t
+
+        return [self.mean_ln, self.var_ln, self.centre, given(self.moments), given(self.products)]
+
+    @classmethod
+    def from_tensors(cls, tensors, grid):
+        mean_ln, var_ln, centre, moments, products = tensors
+        if not grid.pooled:
+            moments = products = None
+        return cls(mean_ln, var_ln, centre, moments, products)
+
+    @staticmethod
+    def fake_tensors(x, grid, dtype):
+        """Empty tensors of the shapes :meth:`tensors` has for ``grid`` (fake implementations)."""
+        B, N, C, heads, d, Hp, Wp = grid.B, grid.N, grid.C, grid.heads, grid.d, grid.Hp, grid.Wp
+        cells = (heads, Wp, 2, B, Hp, d), (heads, 2, B, Hp, Wp, d)
+        if not grid.pooled:
+            cells = (0, ), (0, )
+        return [x.new_empty(B, N, 1, dtype=dtype), x.new_empty(B, N, 1, dtype=dtype),
+                x.new_empty(B, 1, 1, C, dtype=dtype), x.new_empty(cells[0], dtype=dtype),
+                x.new_empty(cells[1], dtype=dtype)]
+
+
+@dataclass
+class Gradients:
+    """Gradients of the loss for every differentiable input of the layer's core."""
+
+    x: Tensor
+    p_y: Tensor
+    p_x: Tensor
+    ratios: Tensor
+    weight: Tensor
+    bias: Tensor
+
+    def tensors(self):
+        return [self.x, self.p_y, self.p_x, self.ratios, self.weight, self.bias]
+
+
+def dtn_forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
+    """Eqs. 2, 4, 5 for contiguous tokens x (B, N, C) with the factors p_y (heads, Hp, Hp) and p_x
+    (heads, Wp, Wp) of P^h and ``ratios`` (4, C), the per-channel lambda_mean, 1 - lambda_mean,
+    lambda_var, 1 - lambda_var. Returns y and what the backward pass needs (:class:`Saved`).
+    Autocast is off: the statistics keep the computation dtype."""
+    with torch.autocast(x.device.type, enabled=False):
+        return _forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps, convention)
+
+
+def _forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
+    stats = backend.statistics(x, grid, convention)
+    if backend.fuses_products(x, grid, p_x):
+        y = backend.fused_output(x, stats, p_y, p_x, ratios, weight, bias, eps, grid)
+        return y, Saved(stats.mean_ln, stats.var_ln, stats.centre)
+    factor_y, factor_x = backend.factor(p_y), backend.factor(p_x)
+    T = moments(stats, grid)
+    _, m = positional_products(T, factor_y, factor_x, grid)
+    y = backend.output(x, stats, m, ratios, weight, bias, eps, grid)
+    if not grid.pooled:
+        return y, Saved(stats.mean_ln, stats.var_ln, stats.centre)
+    return y, Saved(stats.mean_ln, stats.var_ln, stats.centre, T, m)
+
+
+def dtn_backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convention):
+    """The gradients (:class:`Gradients`) of :func:`dtn_forward` for the output gradient g."""
+    with torch.autocast(x.device.type, enabled=False):
+        return _backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convention)
+
+
+def _backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convention):
+    C = grid.C
+    n_var = C - 1 if convention.unbiased_ln_var else C
+    if backend.fuses_products(x, grid, p_x):
+        dx, grad_p_y, grad_p_x, sums = backend.fused_backward(g, x, saved, p_y, p_x, ratios,
+                                                              weight, eps, n_var, grid)
+        return Gradients(dx, grad_p_y, grad_p_x, *parameter_gradients(sums))
+    factor_y, factor_x = backend.factor(p_y), backend.factor(p_x)
+    if grid.pooled:
+        T, m = saved.moments, saved.products
+        u = row_products(T, factor_x)
+    else:  # T = (x - centre, its square), u and m recomputed
+        stats = TokenStatistics(saved.mean_ln, saved.var_ln, saved.centre, grid.cell_means(x),
+                                None)
+        T = moments(stats, grid)
+        u, m = positional_products(T, factor_y, factor_x, grid)
+
+    # pass 1: with D1 = g w rstd (= -dL/dmu) and D2 = D1 xhat rstd (= -2 dL/dvar) per token and
+    # channel, dL/dm of every cell and the sums over the tokens for the parameters; ``tokens``
+    # holds what pass 2 takes from pass 1 (a backend may keep D1 or recompute it)
+    tokens, sums, dm = backend.token_gradients(g, x, saved, m, ratios, weight, eps, grid)
+
+    # the positional products backwards: dL/dm -> dL/dP_y, dL/du -> dL/dP_x, dL/dT
+    grad_p_y, grad_p_x, dT = products_backward(dm, u, T, factor_y, factor_x, grid)
+    d_first, d_second = dT[:, :, 0], dT[:, :, 1]
+    if grid.pooled and convention.square_of_pooled:  # second moment = first^2
+        d_first = d_first + 2 * T[:, :, 0] * d_second
+        d_second = None
+
+    # pass 2: dx = D1 + x beta + alpha + (dL/dT_0 + 2 (x - centre) dL/dT_1) / n, with n the
+    # tokens of the cell and beta, alpha the gradient of Eq. 2 (see ln_gradient)
+    dx = backend.input_gradient(tokens, g, x, saved, m, ratios, weight, eps, n_var, d_first,
+                                d_second, grid)
+    return Gradients(dx, grad_p_y, grad_p_x, *parameter_gradients(sums))
+
+
+def moments(stats, grid):
+    """The inputs T of the positional products, column-major (heads, Wp, 2, B, Hp, d): the cell
+    means about the centre and the second moment about the centre."""
+    first = stats.cell_mean - stats.centre
+    second = first * first if stats.cell_second is None else stats.cell_second
+    T = torch.stack([grid.to_column_major(first), grid.to_column_major(second)], dim=2)
+    return T.contiguous()
+
+
+def row_products(T, factor_x):
+    """u = P_x^h T along every row of cells, head-major (heads, 2, B, Hp, Wp, d)."""
+    heads, Wp = T.shape[:2]
+    u = factor_x.matmul(T.view(heads, Wp, -1)).view(T.shape)
+    return u.permute(0, 2, 3, 4, 1, 5).contiguous()
+
+
+def positional_products(T, factor_y, factor_x, grid):
+    """u = P_x T and m = P_y u = P^h T (Eq. 5), both head-major. With pooling, m's second slot is
+    turned into the inter-token variance P T_1 - (P T_0)^2 (clamped at 0); without pooling it keeps
+    the raw second moment, and the passes over the tokens form the variance per token."""
+    u = row_products(T, factor_x)
+    Hp, Wp, d = grid.Hp, grid.Wp, grid.d
+    m = factor_y.matmul(u.view(-1, Hp, Wp * d)).view(u.shape)
+    if grid.pooled:
+        first, second = m.unbind(1)
+        m = torch.stack([first, (second - first * first).clamp_min(0)], dim=1)
+    return u, m
+
+
+def products_backward(dm, u, T, factor_y, factor_x, grid):
+    """The gradients of P_y, P_x and T from dL/dm (head-major, with respect to the raw moments)."""
+    heads, B, Hp, Wp, d = grid.heads, grid.B, grid.Hp, grid.Wp, grid.d
+    dm_rows = dm.view(-1, Hp, Wp * d)
+    grad_p_y = factor_y.outer(dm_rows, u.view(-1, Hp, Wp * d)).view(heads, 2 * B, Hp, Hp).sum(1)
+    du = factor_y.matmul(dm_rows, transpose=True).view(heads, 2, B, Hp, Wp, d)
+    du = du.permute(0, 4, 1, 2, 3, 5).contiguous().view(heads, Wp, -1)  # column-major
+    grad_p_x = factor_x.outer(du, T.view(heads, Wp, -1))
+    dT = factor_x.matmul(du, transpose=True).view(T.shape)
+    return grad_p_y, grad_p_x, dT
+
+
+def ln_gradient(tok1, tok2, mean_ln, C, n_var):
+    """beta, alpha (B, N, 1) of dx = ... + x beta + alpha, the gradient through Eq. 2, from the
+    per-token sums tok1 = sum_c D1 lambda_m and tok2 = sum_c D2 lambda_v: dL/dmu_ln = -tok1,
+    dL/dvar_ln = -tok2 / 2, beta = 2 dL/dvar_ln / n_var, alpha = dL/dmu_ln / C - beta mu_ln."""
+    beta = tok2 * (-1.0 / n_var)
+    return beta, tok1 * (-1.0 / C) - beta * mean_ln
+
+
+def parameter_gradients(sums):
+    """The gradients of weight, bias and the ratios (4, C) from the sums over the tokens (6, C) of
+    xhat g, g, mu_ln D1, var_ln D2, mu_it D1 and var_it D2 (D1 = -dL/dmu, D2 = -2 dL/dvar)."""
+    xhat_g, g, mean_ln_d1, var_ln_d2, mean_it_d1, var_it_d2 = sums.unbind(0)
+    ratios = torch.stack([-mean_ln_d1, -mean_it_d1, -0.5 * var_ln_d2, -0.5 * var_it_d2])
+    return ratios, xhat_g.clone(), g.clone()  # not views of one tensor
+
+
+def inter_token_statistics(backend, x, p_y, p_x, grid, convention):
+    """Eq. 2 and the inter-token terms of Eq. 5 per cell: (TokenStatistics, mean_it, var_it), the
+    last two (B, Hp, Wp, C). For analysis."""
+    stats = backend.statistics(x, grid, convention)
+    T = moments(stats, grid)
+    _, m = positional_products(T, backend.factor(p_y), backend.factor(p_x), grid)
+    first, second = (grid.cells_of(grid.from_head_major(t)) for t in m.unbind(1))
+    if not grid.pooled:
+        second = (second - first * first).clamp_min(0)
+    return stats, first + stats.centre, second
+
+
+# ---------------------------------------------------------------------------- differentiable entry
+def _convention(unbiased_ln_var, square_of_pooled):
+    return StatisticsConvention(unbiased_ln_var=unbiased_ln_var, square_of_pooled=square_of_pooled)
+
+
+def define_traced_function(backend):
+    """DTN over a backend whose passes PyTorch can trace (no custom ops) as an autograd Function:
+    forward and the hand-written backward both run as PyTorch operations, which ``torch.compile``
+    (including ``fullgraph=True``), ``torch.export`` and ``torch.jit.trace`` follow. Arguments
+    other than tensors are plain numbers, which every tracer records.
+
+    Returns:
+        callable: ``apply(x, p_y, p_x, ratios, weight, bias, grid, eps, convention) -> y``.
+    """
+
+    class TracedDynamicTokenNorm(torch.autograd.Function):
+
+        @staticmethod
+        def forward(ctx, x, p_y, p_x, ratios, weight, bias, H, W, pool, heads, eps,
+                    unbiased_ln_var, square_of_pooled):
+            grid = TokenGrid(x.shape[0], H, W, x.shape[2], heads, pool)
+            convention = _convention(unbiased_ln_var, square_of_pooled)
+            y, saved = dtn_forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps,
+                                   convention)
+            ctx.save_for_backward(x, p_y, p_x, ratios, weight, *saved.tensors())
+            ctx.grid, ctx.eps, ctx.convention = grid, eps, convention
+            return y
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, grad_y):
+            x, p_y, p_x, ratios, weight, *saved = ctx.saved_tensors
+            saved = Saved.from_tensors(saved, ctx.grid)
+            grads = dtn_backward(backend, grad_y.to(x.dtype).contiguous(), x, p_y, p_x, ratios,
+                                 weight, saved, ctx.grid, ctx.eps, ctx.convention)
+            return (*grads.tensors(), None, None, None, None, None, None, None)
+
+    def apply(x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
+        return TracedDynamicTokenNorm.apply(x, p_y, p_x, ratios, weight, bias, grid.H, grid.W,
+                                            grid.pool, grid.heads, eps,
+                                            convention.unbiased_ln_var,
+                                            convention.square_of_pooled)
+
+    return apply
+
+
+#: The Python implementations of the custom ops of :func:`define_custom_ops`, by qualified name
+#: ('mmdtn::dtn_cpu_forward', ...), for tools that look inside them (benchmarks counting launches).
+CUSTOM_OP_IMPLEMENTATIONS = {}
+
+
+def define_custom_ops(backend, name):
+    """``torch.library`` custom ops ``mmdtn::dtn_<name>_forward`` and ``..._backward`` running DTN
+    over ``backend``'s compiled passes, with fake implementations and registered autograd.
+
+    Returns:
+        callable: ``apply(x, p_y, p_x, ratios, weight, bias, grid, eps, convention) -> y``.
+    """
+
+    def run_forward(x: Tensor, p_y: Tensor, p_x: Tensor, ratios: Tensor, weight: Tensor,
+                    bias: Tensor, H: int, W: int, pool: int, heads: int, eps: float,
+                    unbiased_ln_var: bool, square_of_pooled: bool) -> list[Tensor]:
+        grid = TokenGrid(x.shape[0], H, W, x.shape[2], heads, pool)
+        y, saved = dtn_forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps,
+                               _convention(unbiased_ln_var, square_of_pooled))
+        return [y, *saved.tensors()]
+
+    names = f'mmdtn::dtn_{name}_forward', f'mmdtn::dtn_{name}_backward'
+    forward = torch.library.custom_op(names[0], mutates_args=())(run_forward)
+
+    @forward.register_fake
+    def _(x, p_y, p_x, ratios, weight, bias, H, W, pool, heads, eps, unbiased_ln_var,
+          square_of_pooled):
+        grid = TokenGrid(x.shape[0], H, W, x.shape[2], heads, pool)
+        return [torch.empty_like(x), *Saved.fake_tensors(x, grid, weight.dtype)]
+
+    def run_backward(grad: Tensor, x: Tensor, p_y: Tensor, p_x: Tensor, ratios: Tensor,
+                     weight: Tensor, mean_ln: Tensor, var_ln: Tensor, centre: Tensor,
+                     moments: Tensor, products: Tensor, H: int, W: int, pool: int, heads: int,
+                     eps: float, unbiased_ln_var: bool, square_of_pooled: bool) -> list[Tensor]:
+        grid = TokenGrid(x.shape[0], H, W, x.shape[2], heads, pool)
+        saved = Saved.from_tensors([mean_ln, var_ln, centre, moments, products], grid)
+        grads = dtn_backward(backend, grad, x, p_y, p_x, ratios, weight, saved, grid, eps,
+                             _convention(unbiased_ln_var, square_of_pooled))
+        return grads.tensors()
+
+    backward = torch.library.custom_op(names[1], mutates_args=())(run_backward)
+
+    @backward.register_fake
+    def _(grad, x, p_y, p_x, ratios, weight, *args):
+        return [torch.empty_like(t) for t in (x, p_y, p_x, ratios, weight, weight)]
+
+    def setup_context(ctx, inputs, output):
+        x, p_y, p_x, ratios, weight, _, *options = inputs
+        ctx.save_for_backward(x, p_y, p_x, ratios, weight, *output[1:])
+        ctx.options = options
+
+    def differentiate(ctx, grads):
+        x, p_y, p_x, ratios, weight, *saved = ctx.saved_tensors
+        grad = grads[0].to(x.dtype).contiguous()
+        result = backward(grad, x, p_y, p_x, ratios, weight, *saved, *ctx.options)
+        return (*result, *([None] * len(ctx.options)))
+
+    forward.register_autograd(differentiate, setup_context=setup_context)
+
+    def apply(x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
+        return forward(x, p_y, p_x, ratios, weight, bias, grid.H, grid.W, grid.pool, grid.heads,
+                       eps, convention.unbiased_ln_var, convention.square_of_pooled)[0]
+
+    CUSTOM_OP_IMPLEMENTATIONS.update(zip(names, (run_forward, run_backward)))
+    return apply

@@ -1,0 +1,217 @@
+"""DynamicTokenNorm, the module: parameters, initialisation (Algorithm 1), input checks, the dtype
+policy and the analysis helpers. The math lives in :mod:`.function` and the backends."""
+import torch
+from torch import nn
+
+from ..reference_compat import PAPER_CONVENTION, REFERENCE_CONVENTION, group_rms_normalize
+from .backends import select_backend
+from .function import inter_token_statistics
+from .grid import TokenGrid
+from .positional import axis_factors, paper_coefficients, positional_matrix
+
+__all__ = ['DynamicTokenNorm', 'LAYERNORM_GATE_LOGIT', 'DTN_INITS']
+
+#: Gate logit of ``init='layernorm'``. sigmoid never reaches 1: the output differs from LayerNorm by
+#: about (1 - lambda) * var_it / var_ln, and for tokens far quieter than their neighbours that ratio
+#: can exceed 1e9. With 1 - lambda = sigmoid(-40) = 4e-18 a fresh DTN equals LayerNorm to < 1e-5 for
+#: any such features (tested); the price is that the gates start saturated and receive vanishing
+#: gradients, so the layer stays LayerNorm unless the gates are lowered (e.g. to 0) for fine-tuning.
+LAYERNORM_GATE_LOGIT = 40.0
+
+#: The initialisations of DynamicTokenNorm (its ``init`` argument).
+DTN_INITS = ('paper', 'layernorm')
+
+
+class DynamicTokenNorm(nn.Module):
+    """Dynamic Token Normalization (Shao et al., ICLR 2022) for tokens on an H x W grid.
+
+    For tokens x (N x C) split into ``num_heads`` contiguous channel groups x^h (Sec. 3.2)::
+
+        mu^h     = lam_m^h mu_ln + (1 - lam_m^h) P^h x^h                                (Eq. 5)
+        sigma2^h = lam_v^h var_ln + (1 - lam_v^h) [P^h (x^h * x^h) - (P^h x^h)^2]       (Eq. 5)
+        y        = gamma * (x - mu) / sqrt(sigma2 + eps) + beta                         (Eq. 4)
+        P^h      = softmax_j(a^h . R_ij),  R_ij = [dx^2 + dy^2, dx, dy]                (Eq. 6)
+
+    with mu_ln, var_ln each token's mean and variance over its C channels (Eq. 2) and
+    lam = sigmoid(gate). P^h is applied as its two axis factors, never as a T x T matrix, on the
+    grid average-pooled by ``pool_size`` (App. B.1), on any H x W. The computation runs on a
+    backend chosen per call (:mod:`.backends`; ``mmdtn.set_dtn_backend``).
+
+    Args:
+        num_features (int): number of channels C.
+        num_heads (int): number of channel groups with their own P^h and gates.
+        pool_size (int): inter-token statistics on the grid average-pooled by this factor (>= 1).
+        eps (float): added to the variance (Eq. 4).
+        init (str): ``'paper'``: gates 0 (lambda = 0.5), a^h by Eq. 7 with distinct neighbourhood
+            offsets; ``'layernorm'``: same a^h, gates = :data:`LAYERNORM_GATE_LOGIT` so that a fresh
+            layer equals ``nn.LayerNorm`` with the same weight and bias (to < 1e-5).
+        reference_compat (bool): compute the statistics as the authors' reference code does (see
+            :mod:`mmdtn.models.layers.reference_compat`); parameters keep their names and meaning.
+
+    Shape:
+        ``forward(x, hw_shape)``: x (B, N, C) with N = H * W tokens in row-major order,
+        ``hw_shape = (H, W)``; returns a tensor of x's shape and dtype. Statistics are computed in
+        float32 (float64 for float64 inputs or parameters), also under autocast.
+
+    Parameters: ``weight``, ``bias`` (C,); ``mean_gate``, ``var_gate`` (num_heads,) logits of the
+    mean and variance weight ratios lambda; ``pos_coef`` (num_heads, 3), the a^h of Eq. 6.
+    """
+
+    _abbr_ = 'dtn'
+
+    def __init__(self, num_features, num_heads, pool_size=1, eps=1e-6, init='paper',
+                 reference_compat=False):
+        super().__init__()
+        if (not isinstance(num_heads, int) or num_heads < 1
+                or num_features % num_heads != 0):
+            raise ValueError(f'num_features={num_features} channels cannot be split into '
+                             f'num_heads={num_heads!r} equal groups')
+        if int(pool_size) != pool_size or pool_size < 1:
+            raise ValueError(f'pool_size must be an integer >= 1, got {pool_size!r}')
+        if init not in DTN_INITS:
+            raise ValueError(f'init must be one of {DTN_INITS}, got {init!r}')
+        if reference_compat and num_features < 2:
+            raise ValueError('reference_compat=True uses the unbiased variance over C channels '
+                             f'and needs C >= 2, got num_features={num_features}')
+        self.num_features = num_features
+        self.num_heads = num_heads
+        self.pool_size = int(pool_size)
+        self.eps = eps
+        self.init = init
+        self.reference_compat = bool(reference_compat)
+        self.convention = REFERENCE_CONVENTION if reference_compat else PAPER_CONVENTION
+        self.weight = nn.Parameter(torch.empty(num_features))
+        self.bias = nn.Parameter(torch.empty(num_features))
+        self.mean_gate = nn.Parameter(torch.empty(num_heads))
+        self.var_gate = nn.Parameter(torch.empty(num_heads))
+        self.pos_coef = nn.Parameter(torch.empty(num_heads, 3))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        """Affine to identity, a^h by Eq. 7, gates by ``self.init`` (Algorithm 1, line 2)."""
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+            self.bias.zero_()
+            gate = LAYERNORM_GATE_LOGIT if self.init == 'layernorm' else 0.0
+            self.mean_gate.fill_(gate)
+            self.var_gate.fill_(gate)
+            self.pos_coef.copy_(paper_coefficients(self.num_heads, torch.float64))
+
+    def extra_repr(self):
+        return (f'{self.num_features}, num_heads={self.num_heads}, pool_size={self.pool_size}, '
+                f'eps={self.eps}, init={self.init!r}, reference_compat={self.reference_compat}')
+
+    # ------------------------------------------------------------------ analysis helpers
+    @property
+    def mean_lambda(self):
+        """Weight ratio of the intra-token mean, sigmoid(mean_gate), shape (num_heads,)."""
+        return torch.sigmoid(self.mean_gate)
+
+    @property
+    def var_lambda(self):
+        """Weight ratio of the intra-token variance, sigmoid(var_gate), shape (num_heads,)."""
+        return torch.sigmoid(self.var_gate)
+
+    def pooled_shape(self, hw_shape):
+        """Shape (ceil(H/s), ceil(W/s)) of the grid the inter-token statistics are computed on."""
+        H, W = hw_shape
+        s = self.pool_size
+        return (-(-H // s), -(-W // s))
+
+    def axis_matrices(self, hw_shape, dtype=None):
+        """Factors (P_y, P_x) of P^h = P_y^h (kron) P_x^h on the pooled grid (Eq. 6).
+
+        Returns:
+            tuple[Tensor, Tensor]: P_y (num_heads, Hp, Hp) and P_x (num_heads, Wp, Wp), rows sum
+            to 1; P_x[h, i, j] = softmax_j(a1 (j - i)^2 + a2 (j - i)) and likewise P_y with a3.
+        """
+        coef = self.pos_coef if dtype is None else self.pos_coef.to(dtype)
+        return axis_factors(coef, *self.pooled_shape(hw_shape))
+
+    def positional_matrix(self, hw_shape):
+        """Dense P^h of Eq. 6, shape (num_heads, T, T) with T = Hp * Wp cells in row-major order.
+
+        For analysis and inspection only (the forward pass never builds it); rows sum to 1.
+        """
+        return positional_matrix(*self.axis_matrices(hw_shape))
+
+    def statistics(self, x, hw_shape):
+        """The normalisation constants of Eqs. 2 and 5 for tokens ``x`` (B, N, C).
+
+        Returns:
+            dict[str, Tensor]: 'mean_ln', 'var_ln' (B, N, 1); 'mean_it', 'var_it', 'mean', 'var'
+            (B, N, C), all in the computation dtype (float32 or float64). 'var' excludes eps. With
+            ``reference_compat`` they refer to the group-RMS-normalised input.
+        """
+        grid = self._grid(x, hw_shape)
+        with torch.autocast(x.device.type, enabled=False), torch.no_grad():
+            dtype = self._computation_dtype(x)
+            xc = self._prepare(x.to(dtype))
+            p_y, p_x = self.axis_matrices(hw_shape, dtype=dtype)
+            stats, mean_it, var_it = inter_token_statistics(
+                select_backend(xc, grid, dtype), xc, p_y, p_x, grid, self.convention)
+            mean_it, var_it = grid.to_tokens(mean_it), grid.to_tokens(var_it)
+            mean_it, var_it = mean_it.to(dtype), var_it.to(dtype)
+            lam_m, kap_m, lam_v, kap_v = self._channel_ratios(dtype).unbind(0)
+            return {
+                'mean_ln': stats.mean_ln,
+                'var_ln': stats.var_ln,
+                'mean_it': mean_it,
+                'var_it': var_it,
+                'mean': lam_m * stats.mean_ln + kap_m * mean_it,  # Eq. 5
+                'var': lam_v * stats.var_ln + kap_v * var_it,  # Eq. 5
+            }
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x, hw_shape):
+        """Normalise tokens ``x`` (B, N, C) laid out row-major on the ``hw_shape`` = (H, W) grid."""
+        grid = self._grid(x, hw_shape)
+        with torch.autocast(x.device.type, enabled=False):
+            dtype = self._computation_dtype(x)
+            weight, bias = self.weight.to(dtype), self.bias.to(dtype)
+            if x.numel() == 0:
+                return (x.to(dtype) * weight + bias).to(x.dtype)
+            backend = select_backend(x, grid, dtype)
+            xc = x if x.dtype in backend.input_dtypes else x.to(dtype)
+            xc = self._prepare(xc).contiguous()
+            p_y, p_x = self.axis_matrices(hw_shape, dtype=dtype)
+            y = backend.apply(xc, p_y, p_x, self._channel_ratios(dtype), weight, bias, grid,
+                              self.eps, self.convention)
+        return y.to(x.dtype)
+
+    # ------------------------------------------------------------------ internals
+    def _grid(self, x, hw_shape):
+        """The TokenGrid of ``x`` after checking that it lies on ``hw_shape``."""
+        if x.dim() != 3:
+            raise ValueError(f'DynamicTokenNorm expects x of shape (B, N, C), got {tuple(x.shape)}')
+        try:
+            H, W = hw_shape
+            H, W = (v if isinstance(v, torch.SymInt) else int(v) for v in (H, W))
+        except (TypeError, ValueError):
+            raise ValueError(f'hw_shape must be (H, W), got {hw_shape!r}') from None
+        B, N, C = x.shape
+        if C != self.num_features:
+            raise ValueError(f'x of shape {tuple(x.shape)} has C={C} channels, expected '
+                             f'num_features={self.num_features}')
+        if H < 1 or W < 1 or N != H * W:
+            raise ValueError(f'x of shape {tuple(x.shape)} has N={N} tokens, which does not match '
+                             f'hw_shape=({H}, {W}) (H * W = {H * W})')
+        return TokenGrid.of(x, (H, W), self.num_heads, self.pool_size)
+
+    def _computation_dtype(self, x):
+        """At least float32: the statistics need it, under autocast too."""
+        return torch.promote_types(torch.promote_types(x.dtype, self.weight.dtype), torch.float32)
+
+    def _prepare(self, x):
+        """x group-RMS-normalised if so configured (the reference code's convention)."""
+        if self.convention.group_rms_prenorm:
+            x = group_rms_normalize(x, self.num_heads, self.eps)
+        return x
+
+    def _channel_ratios(self, dtype):
+        """Per-channel (lambda_mean, 1 - lambda_mean, lambda_var, 1 - lambda_var), shape (4, C).
+
+        1 - lambda is computed as sigmoid(-gate) so that it stays accurate near lambda = 1."""
+        d = self.num_features // self.num_heads
+        gates = torch.stack([self.mean_gate, -self.mean_gate, self.var_gate, -self.var_gate])
+        return torch.sigmoid(gates.to(dtype)).repeat_interleave(d, dim=1)

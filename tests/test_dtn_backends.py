@@ -1,0 +1,218 @@
+"""DynamicTokenNorm's backends: the switch between them, what each one takes, and their agreement
+with each other and with the dense reference where their paths differ (banded and fused products,
+the two builds of the CPU kernels)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_dynamic_token_norm import assert_equals_dense_reference, randomize, tokens
+
+from mmdtn import (DynamicTokenNorm, available_backends, get_dtn_backend, neighbourhood_offsets,
+                   set_dtn_backend)
+from mmdtn.models.layers.dtn.backends import BACKENDS
+from mmdtn.models.layers.dtn.backends import cpu as cpu_backend
+from mmdtn.models.layers.dtn.backends.cpu import BandedFactor
+from mmdtn.models.layers.dtn.grid import TokenGrid
+
+
+def uses_fused_products(norm, x, hw):
+    """Whether the CPU backend fuses the positional products with the passes over the tokens."""
+    grid = TokenGrid.of(x, hw, norm.num_heads, norm.pool_size)
+    return BACKENDS['cpu'].fuses_products(x, grid, norm.axis_matrices(hw, x.dtype)[1])
+
+
+# ----------------------------------------------------------------------------- the switch
+def test_switch_by_function_and_environment_variable(backend_setting):
+    assert set(available_backends('cpu')) == {'cpu', 'torch'}
+    x = torch.randn(2, 20, 8, dtype=torch.float64)
+    norm = randomize(DynamicTokenNorm(8, 2, pool_size=2)).double()
+    outputs = {}
+    for name in ('auto', 'cpu', 'torch'):
+        set_dtn_backend(name)
+        assert get_dtn_backend() == name
+        outputs[name] = norm(x, (4, 5))
+    assert torch.allclose(outputs['cpu'], outputs['torch'], atol=1e-12)
+    assert torch.equal(outputs['auto'], outputs['cpu'])  # auto takes the CPU kernels on CPUs
+    with pytest.raises(ValueError, match="unknown DynamicTokenNorm backend 'cuda'.*'cpu'"):
+        set_dtn_backend('cuda')
+    script = ('import torch\n'
+              'from mmdtn import DynamicTokenNorm, get_dtn_backend\n'
+              'print(get_dtn_backend())\n'
+              'DynamicTokenNorm(8, 2)(torch.randn(1, 4, 8), (2, 2))\n')
+    env = dict(os.environ, MMDTN_DTN_BACKEND='torch')
+    out = subprocess.run([sys.executable, '-c', script], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == 'torch', out.stderr
+    env['MMDTN_DTN_BACKEND'] = 'gpu'
+    out = subprocess.run([sys.executable, '-c', script], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "unknown DynamicTokenNorm backend 'gpu'" in out.stderr
+
+
+def test_inputs_of_other_dtypes_are_converted_for_the_backend(backend_setting):
+    """The CPU kernels take float32 and float64: float16 tokens are computed in float32, and the
+    output has the input's dtype."""
+    norm = randomize(DynamicTokenNorm(8, 2))
+    x = torch.randn(1, 6, 8).half()
+    set_dtn_backend('cpu')
+    y = norm(x, (2, 3))
+    assert y.dtype == torch.float16
+    assert torch.equal(y, norm(x.float(), (2, 3)).half())
+
+
+def test_missing_cpu_kernels_warn_once_and_fall_back_or_stop(monkeypatch, backend_setting):
+    """Without its kernels the CPU backend cannot run: 'auto' says so once and takes the portable
+    backend; the 'cpu' backend asked for by name is an error that says why."""
+    norm = randomize(DynamicTokenNorm(8, 2, pool_size=2)).double()
+    x = tokens(1, 6, 6, 8)
+    expected = norm(x, (6, 6))
+    monkeypatch.setattr(cpu_backend, 'kernels', None)
+    assert available_backends('cpu') == ['torch']
+    set_dtn_backend('auto')
+    with pytest.warns(UserWarning, match="'cpu' backend cannot run.*without its CPU kernels"):
+        y = norm(x, (6, 6))
+    assert torch.allclose(y, expected, atol=1e-12)
+    set_dtn_backend('cpu')
+    with pytest.raises(RuntimeError, match=r"backend 'cpu'.*\(1, 36, 8\).*without its CPU kernels"):
+        norm(x, (6, 6))
+
+
+# ----------------------------------------------------------------------------- banded and fused
+@pytest.mark.parametrize('pool,hw', [(1, (12, 60)), (1, (60, 12)), (2, (21, 117)), (1, (56, 9))])
+@pytest.mark.parametrize('a1', [-1.0, -2.5, -0.1])
+@pytest.mark.parametrize('C,heads', [(8, 4), (32, 2)])
+def test_banded_positional_products_equal_dense_reference(dtn_backend, pool, hw, a1, C, heads):
+    """The CPU backend's positional products skip the exact zeros of P_x and P_y on long axes
+    (blocks of rows, the last one partial, bands wider on one side than the other) and, without
+    pooling and with whole vectors per head (16 channels), are fused with the passes over the
+    tokens; values and gradients still equal the dense formulation. a1 = -0.1 spreads P too widely
+    for a band on these grids and keeps the dense products."""
+    torch.manual_seed(0)
+    norm = randomize(DynamicTokenNorm(C, heads, pool_size=pool)).double()
+    with torch.no_grad():  # Eq. 7 peaks at distinct neighbours, other widths, random gates
+        offsets = torch.tensor(neighbourhood_offsets(heads), dtype=torch.float64)
+        norm.pos_coef[:, 0] = a1
+        norm.pos_coef[:, 1:] = -2 * a1 * offsets
+    p_y, p_x = norm.axis_matrices(hw)
+    long_axis = p_x if p_x.shape[-1] >= p_y.shape[-1] else p_y
+    assert BandedFactor.is_banded(long_axis) == (a1 != -0.1)
+    H, W = hw
+    x = tokens(2, H, W, C).requires_grad_()
+    fused = pool == 1 and C == 32 and a1 != -0.1 and W > H
+    assert uses_fused_products(norm, x, hw) == fused
+    g = torch.randn(2, H * W, C, dtype=torch.float64)
+    assert_equals_dense_reference(norm, x, hw, g)
+
+
+@pytest.mark.parametrize('Dy', [(9, -9), (0, 20), (-3, 1)])
+@pytest.mark.parametrize('threads', [1, 3])
+def test_fused_passes_with_peaks_off_the_diagonal_equal_dense_reference(dtn_backend, Dy, threads):
+    """Without pooling and with P_x banded, the CPU kernels fuse the positional products with the
+    passes over the tokens, walking the token rows of every head in order and keeping only the
+    rows of u = P_x T that P_y still needs. With P_y's peaks far from its diagonal (whose weights
+    are then exact zeros: row i's sources lie 9 or 20 rows away, and the rows' gradients arrive
+    before or after row i itself), values and gradients still equal the dense formulation. With 3
+    threads the 4 (image, head) tasks are too few, and every head's channels are split into two
+    groups of tasks of their own."""
+    torch.manual_seed(0)
+    H, W = 30, 40
+    norm = randomize(DynamicTokenNorm(32, 2)).double()
+    with torch.no_grad():
+        norm.pos_coef[:, 0] = -1.0
+        norm.pos_coef[:, 1] = torch.tensor([2.0, -2.0])
+        norm.pos_coef[:, 2] = 2 * torch.tensor(Dy, dtype=torch.float64)
+    p_y = norm.axis_matrices((H, W))[0]
+    x = tokens(2, H, W, 32).requires_grad_()
+    assert uses_fused_products(norm, x, (H, W))
+    if max(abs(v) for v in Dy) >= 9:
+        assert (p_y.diagonal(dim1=1, dim2=2) == 0).any()
+    g = torch.randn(2, H * W, 32, dtype=torch.float64)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert_equals_dense_reference(norm, x, hw=(H, W), g=g)
+    finally:
+        torch.set_num_threads(saved)
+
+
+# ----------------------------------------------------------------------------- agreement
+def forward_backward(norms, x, hw, g):
+    """Output of the stacked ``norms`` and the gradients of (y * g).sum() for x and parameters."""
+    y = x
+    for norm in norms:
+        y = norm(y, hw)
+    params = [p for norm in norms for p in norm.parameters()]
+    return [y.detach(), *torch.autograd.grad((y * g).sum(), [x, *params])]
+
+
+def assert_backends_agree(norms, x, hw, g):
+    """Every CPU backend gives the outputs and gradients of the stacked ``norms`` of the first, to
+    float32 rounding."""
+    results = []
+    for name in available_backends('cpu'):
+        set_dtn_backend(name)
+        results.append(forward_backward(norms, x, hw, g))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (a - b).abs().max()
+
+
+@pytest.mark.parametrize('pool,hw,B', [(1, (9, 13), 2), (2, (10, 14), 1), (2, (9, 13), 2),
+                                       (4, (17, 22), 2), (3, (7, 8), 1)])
+def test_backends_agree_in_float32(backend_setting, pool, hw, B):
+    """Float32, two stacked layers: all backends agree to float32 rounding."""
+    torch.manual_seed(0)
+    norms = [randomize(DynamicTokenNorm(24, 4, pool_size=pool), seed=i) for i in range(2)]
+    x = (torch.randn(B, hw[0] * hw[1], 24) * 3 + 1).requires_grad_()
+    g = torch.randn(B, hw[0] * hw[1], 24)
+    assert_backends_agree(norms, x, hw, g)
+
+
+def test_fused_products_agree_with_other_backends(backend_setting):
+    """Float32, paper initialisation, 16 channels per head, no pooling, two stacked layers: the
+    CPU kernels that fuse the products with the passes over the tokens agree with the others."""
+    torch.manual_seed(0)
+    hw = (10, 40)
+    norms = [DynamicTokenNorm(64, 4) for _ in range(2)]
+    for norm in norms:
+        with torch.no_grad():
+            norm.mean_gate.uniform_(-2, 2)
+            norm.var_gate.uniform_(-2, 2)
+    x = (torch.randn(2, 400, 64) * 3 + 1).requires_grad_()
+    g = torch.randn(2, 400, 64)
+    assert uses_fused_products(norms[0], x, hw)
+    assert_backends_agree(norms, x, hw, g)
+
+
+def test_cpu_kernels_baseline_and_avx512_builds_agree(tmp_path):
+    """ATEN_CPU_CAPABILITY=default selects the baseline build of the kernels (on CPUs with AVX-512
+    the other run uses the AVX-512 build); float64 results agree to rounding. The 12 x 60 grid
+    uses the banded positional products along W, on the tokens."""
+    script = (
+        'import torch, sys\n'
+        'from mmdtn import DynamicTokenNorm, set_dtn_backend\n'
+        'set_dtn_backend("cpu")\n'
+        'out = {}\n'
+        'for pool, hw in [(1, (9, 13)), (4, (17, 22)), (1, (12, 60))]:\n'
+        '    torch.manual_seed(0)\n'
+        '    norm = DynamicTokenNorm(64, 4, pool_size=pool).double()\n'
+        '    with torch.no_grad():\n'
+        '        norm.mean_gate.uniform_(-2, 2); norm.var_gate.uniform_(-2, 2)\n'
+        '    x = torch.randn(2, hw[0] * hw[1], 64, dtype=torch.float64, requires_grad=True)\n'
+        '    y = norm(x, hw)\n'
+        '    grads = torch.autograd.grad(y.square().sum(), [x, *norm.parameters()])\n'
+        '    out[(pool, hw)] = [y.detach(), *grads]\n'
+        'torch.save(out, sys.argv[1])\n')
+    results = []
+    for capability in (None, 'default'):
+        env = dict(os.environ)
+        env.pop('ATEN_CPU_CAPABILITY', None)
+        if capability:
+            env['ATEN_CPU_CAPABILITY'] = capability
+        path = tmp_path / f'{capability}.pt'
+        subprocess.run([sys.executable, '-c', script, str(path)], env=env, check=True)
+        results.append(torch.load(path))
+    assert len(results[0]) == 3
+    for pool in results[0]:
+        for a, b in zip(results[0][pool], results[1][pool]):
+            assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
