@@ -11,7 +11,8 @@ variation coefficient (Fig. 3b), gates (Fig. 4), positional attention P^h (Figs.
 * :mod:`.capture`: forward hooks that record block-norm inputs/outputs and attention inputs;
 * :mod:`.attention`: attention weights recomputed from the modules' own parameters, with the query
   and key positions, and the mean attention distance;
-* :mod:`.flops`: the FLOP formula of DTN and the complexity report;
+* :mod:`.flops`: the complexity report (parameters and FLOPs, DTN by the formula of
+  :mod:`mmdtn.models.layers.dtn.flops`);
 * :mod:`.plotting` and :mod:`.cli`: matplotlib (Agg) helpers and the common command line.
 
 It is imported by the tools directly and is not needed by ``import mmdtn``.

@@ -3,8 +3,8 @@
 The format of the DTN paper's Tables 1, 2, 9 and 12: parameters and FLOPs of a DTN model next to
 its LayerNorm twin, at one input size (batch 1). Everything except DTN is counted by mmengine's
 ``FlopAnalyzer`` (one multiply-add = one FLOP, LayerNorm = 5 per element); every DynamicTokenNorm
-layer is counted by the formula documented in ``mmdtn/analysis/flops.py``, which depends on the
-layer's channels, heads, token map and pooled grid ceil(H/s) x ceil(W/s). Column ``DTN``: that
+layer is counted by the one DTN formula, ``mmdtn/models/layers/dtn/flops.py``, from the layer's
+channels, heads, token map and pooling size (as ``benchmark_backbones.py``). Column ``DTN``: that
 count, as implemented (P^h applied factorised along W and H); column ``dense P``: the model's total
 with the paper's dense T x T P^h instead. The LN twin is derived from the config (the stock
 backbone type without the DTN/DPN settings) unless ``--compare`` names one.
