@@ -9,10 +9,12 @@ Shapes: the stages of PVT-Tiny and of Swin-T for an 800 x 1344 input (B = 2; PVT
    counted while the layer runs, by a dispatch mode that sees every PyTorch operation, inside the
    backends' custom ops too, and by the backends' records of their compiled kernels. A launch is a
    PyTorch operation that computes (views and allocations excluded) or a compiled kernel; its
-   bytes are those of the tensors it reads and writes. This is what a GPU's memory moves if no
-   operand stays in cache; on CPUs it is the same count.
-2. The traffic model of the fused GPU kernels (when the Triton backend is installed): the bytes per
-   token each kernel reads and writes, by formula, beside LayerNorm's (any device).
+   bytes are those of the tensors it reads and writes: what a GPU's memory moves if no operand
+   stays in cache between launches. The Triton backend is also counted where there is no GPU, on
+   meta tensors (shapes without data; its kernels are then recorded, not launched).
+2. The traffic model of the Triton backend: bytes per token of every kernel and of the PyTorch
+   operations between them (the positional products of the cells), forward and backward, beside
+   LayerNorm's, for the tokens' dtype; from the same counts, so on any device.
 3. Time and peak memory of forward + backward: median over repeats, the normalisers timed in turn
    within every repeat; wall-clock time, or with ``--clock cpu`` the CPU time of the process.
    Memory: the peak of the tensor memory allocated during forward + backward above what was live
@@ -28,7 +30,9 @@ Usage::
         [--repeats 5] [--clock wall|cpu] [--dense-limit-gb 2]
 """
 import argparse
+import collections
 import contextlib
+import copy
 import os
 import statistics
 import sys
@@ -70,6 +74,7 @@ class TrafficCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.launches, self.bytes = 0, 0
+        self.by_kernel = collections.Counter()  # bytes of each compiled kernel, and of 'torch'
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -79,9 +84,11 @@ class TrafficCounter(TorchDispatchMode):
                 return inner(*args, **kwargs)
         out = func(*args, **kwargs)
         if not func.is_view and func._opname not in self.ALLOCATIONS:
+            moved = sum(t.numel() * t.element_size()
+                        for t in tree_leaves((args, kwargs, out)) if torch.is_tensor(t))
             self.launches += 1
-            self.bytes += sum(t.numel() * t.element_size()
-                              for t in tree_leaves((args, kwargs, out)) if torch.is_tensor(t))
+            self.bytes += moved
+            self.by_kernel['torch'] += moved
         return out
 
     @contextlib.contextmanager
@@ -89,18 +96,20 @@ class TrafficCounter(TorchDispatchMode):
         with recording_launches() as launches, self:
             yield
         self.launches += len(launches)
-        self.bytes += sum(k.read + k.written for k in launches)
+        for k in launches:
+            self.bytes += k.read + k.written
+            self.by_kernel[k.name] += k.read + k.written
 
 
 def traffic(module, x, hw, grad):
-    """(launches, bytes) of the forward and of the backward pass of ``module``."""
+    """The TrafficCounters of the forward and of the backward pass of ``module``."""
     params = list(module.parameters())
     forward, backward = TrafficCounter(), TrafficCounter()
     with forward.counting():
         y = call(module, x, hw)
     with backward.counting():
         torch.autograd.grad(y, [x, *params], grad)
-    return (forward.launches, forward.bytes), (backward.launches, backward.bytes)
+    return forward, backward
 
 
 # ---------------------------------------------------------------------------- time and memory
@@ -171,13 +180,15 @@ def timed(modules, x, hw, grad, device, repeats, warmup, clock):
 
 # ---------------------------------------------------------------------------- the tables
 def layers(C, heads, pool, device, backends, dense):
-    """{name: (module, backend)}: LayerNorm, DTN on every backend, and the dense formulation."""
+    """{name: (module, backend, device)}: LayerNorm, DTN on every backend (each on its device),
+    and the dense formulation."""
     torch.manual_seed(0)
-    dtn = DynamicTokenNorm(C, heads, pool_size=pool).to(device)
-    modules = {'LN': (torch.nn.LayerNorm(C, eps=1e-6).to(device), 'auto')}
-    modules.update({f'DTN {b}': (dtn, b) for b in backends})
+    dtn = DynamicTokenNorm(C, heads, pool_size=pool)
+    modules = {'LN': (torch.nn.LayerNorm(C, eps=1e-6).to(device), 'auto', device)}
+    for backend, where in backends:
+        modules[f'DTN {backend}'] = (copy.deepcopy(dtn).to(where), backend, where)
     if dense:
-        modules['dense'] = (DenseDynamicTokenNorm(dtn), 'auto')
+        modules['dense'] = (DenseDynamicTokenNorm(dtn.to(device)), 'auto', device)
     return modules
 
 
@@ -187,40 +198,60 @@ def inputs(C, H, W, batch, device, dtype):
     return x, torch.randn_like(x)
 
 
+def stage_label(model, stage, C, H, W, pool):
+    return f'{model} s{stage} {H}x{W}x{C} p{pool}'
+
+
 def traffic_table(args, device, backends, progress):
-    rows = []
+    """Prints the launches and bytes of every layer; returns the counters by (stage, layer)."""
+    counts = {}
     for model, stage, C, H, W, pool, heads in STAGES:
-        x, grad = inputs(C, H, W, args.batch, device, DTYPES[args.dtype])
-        for name, (module, backend) in layers(C, heads, pool, device, backends, False).items():
+        label = stage_label(model, stage, C, H, W, pool)
+        for name, (module, backend, where) in layers(C, heads, pool, device, backends,
+                                                     False).items():
+            x, grad = inputs(C, H, W, args.batch, where, DTYPES[args.dtype])
             set_dtn_backend(backend)
-            rows.append((f'{model} s{stage} {H}x{W}x{C} p{pool}', name,
-                         *traffic(module, x, (H, W), grad)))
+            counts[label, name] = traffic(module, x, (H, W), grad)
         progress.update()
-    print(f'\nLaunches and bytes per layer, batch {args.batch}, {args.dtype}, {device.type} '
-          '(PyTorch operations and compiled kernels, bytes of their operands)')
-    head = (f"{'stage':<28}{'layer':<11}{'fwd launches':>13}{'fwd MB':>9}{'x LN':>7}"
+    print(f'\nLaunches and bytes per layer, batch {args.batch}, {args.dtype} tokens, '
+          f'{device.type} (PyTorch operations and compiled kernels, bytes of their operands; '
+          '"on meta": counted on meta tensors)')
+    head = (f"{'stage':<28}{'layer':<20}{'fwd launches':>13}{'fwd MB':>9}{'x LN':>7}"
             f"{'bwd launches':>13}{'bwd MB':>9}{'x LN':>7}")
     print(head + '\n' + '-' * len(head))
-    ln = {}
-    for stage, name, (fl, fb), (bl, bb) in rows:
-        if name == 'LN':
-            ln[stage] = fb, bb
-        print(f'{stage:<28}{name:<11}{fl:>13}{fb / 2**20:>9.1f}{fb / ln[stage][0]:>6.1f}x'
-              f'{bl:>13}{bb / 2**20:>9.1f}{bb / ln[stage][1]:>6.1f}x')
+    for (label, name), (fwd, bwd) in counts.items():
+        ln_fwd, ln_bwd = counts[label, 'LN']
+        where = dict(backends).get(name[4:]) if name.startswith('DTN ') else device
+        shown = name + (' (on meta)' if str(where) == 'meta' else '')
+        print(f'{label:<28}{shown:<20}{fwd.launches:>13}{fwd.bytes / 2**20:>9.1f}'
+              f'{fwd.bytes / ln_fwd.bytes:>6.2f}x{bwd.launches:>13}{bwd.bytes / 2**20:>9.1f}'
+              f'{bwd.bytes / ln_bwd.bytes:>6.2f}x')
+    return counts
 
 
-def model_table(args):
-    from mmdtn.models.layers.dtn.backends import triton as triton_backend
-    dtype = DTYPES[args.dtype]
-    print(f'\nTraffic model of the Triton kernels, bytes per token, {args.dtype} tokens '
-          '(statistics in float32); LayerNorm: one read and one write forward, two reads and '
-          'one write backward')
+def model_table(args, counts):
+    """Bytes per token of every Triton kernel and of the PyTorch operations between them."""
+    print(f'\nTraffic of the Triton backend per token, {args.dtype} tokens (statistics in '
+          'float32), bytes read + written; targets: forward <= 1.5x and backward <= 2x '
+          "LayerNorm's with pooling, <= 2x and <= 3x without")
     for model, stage, C, H, W, pool, heads in STAGES:
-        report = triton_backend.traffic_model(C, H, W, pool, heads, dtype)
-        print(f'  {model} s{stage} {H}x{W}x{C} p{pool}: {report}')
+        label = stage_label(model, stage, C, H, W, pool)
+        if (label, 'DTN triton') not in counts:
+            return
+        tokens = args.batch * H * W
+        ln = counts[label, 'LN']
+        print(f'  {label}')
+        for pass_, dtn, ln_pass, target in zip(('forward', 'backward'), counts[label, 'DTN triton'],
+                                              ln, (1.5, 2.0) if pool > 1 else (2.0, 3.0)):
+            parts = ', '.join(f'{k.replace("triton.", "")} {v / tokens:.0f}'
+                              for k, v in sorted(dtn.by_kernel.items()))
+            ratio = dtn.bytes / ln_pass.bytes
+            print(f'    {pass_:<9} {dtn.bytes / tokens:>7.0f} B/token = {parts}; LayerNorm '
+                  f'{ln_pass.bytes / tokens:.0f}: {ratio:.2f}x (target {target}x: '
+                  f"{'met' if ratio <= target else 'not met'})")
 
 
-def time_table(args, device, backends, progress):
+def time_table(args, device, names, progress):
     clock = time.process_time if args.clock == 'cpu' else time.perf_counter
     print(f'\nForward + backward, batch {args.batch}, {args.dtype}, {device.type}, median of '
           f'{args.repeats} ({args.clock} clock; memory: peak above the inputs)')
@@ -230,9 +261,10 @@ def time_table(args, device, backends, progress):
         x, grad = inputs(C, H, W, args.batch, device, DTYPES[args.dtype])
         T = (-(-H // pool) * -(-W // pool))**2
         dense = 4 * heads * T * x.element_size() * 4 <= args.dense_limit_gb * 2**30
-        modules = layers(C, heads, pool, device, backends, dense)
+        modules = {name: m[:2] for name, m in layers(C, heads, pool, device,
+                                                     [(n, device) for n in names], dense).items()}
         times = timed(modules, x, (H, W), grad, device, args.repeats, args.warmup, clock)
-        label = f'{model} s{stage} {H}x{W}x{C} p{pool}'
+        label = stage_label(model, stage, C, H, W, pool)
         for name, (module, backend) in modules.items():
             set_dtn_backend(backend)
             mem = peak_memory(lambda: forward_backward(module, x, (H, W), grad), device)
@@ -247,7 +279,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     parser.add_argument('--backends', nargs='+', default=None,
-                        help='DTN backends to measure (default: all that run on the device)')
+                        help='DTN backends to measure (default: all that run on the device, and '
+                        'triton, counted on meta tensors where no GPU runs it)')
     parser.add_argument('--tables', nargs='+', default=['traffic', 'model', 'time'],
                         choices=['traffic', 'model', 'time'])
     parser.add_argument('--dtype', default='float32', choices=sorted(DTYPES),
@@ -266,24 +299,28 @@ def main():
     device = torch.device(args.device)
     if args.clock == 'cpu' and device.type == 'cuda':
         parser.error('--clock cpu measures host CPU time; use the wall clock on CUDA')
-    backends = args.backends or available_backends(device)
-    unknown = set(backends) - set(available_backends(device))
+    names = args.backends or [*available_backends(device), 'triton']
+    names = list(dict.fromkeys(names))
+    unknown = set(names) - set(available_backends(device)) - {'triton'}
     if unknown:
         parser.error(f'backends {sorted(unknown)} cannot run on {device}; '
                      f'available: {available_backends(device)}')
+    backends = [(name, device) for name in names if name in available_backends(device)]
+    counted = [(name, torch.device('meta')) for name in names
+               if name not in available_backends(device)]  # triton without a GPU: counted only
     # subnormal floats (tiny softmax weights of the dense P) slow CPU matrix products down by
     # orders of magnitude; flushing them to zero keeps the comparison about the formulation
     torch.set_flush_denormal(True)
     print(f'device={device} threads={torch.get_num_threads()} torch {torch.__version__} '
           f'backends {backends}')
-    steps = len(STAGES) * (('traffic' in args.tables) + ('time' in args.tables))
+    steps = len(STAGES) * (bool({'traffic', 'model'} & set(args.tables)) + ('time' in args.tables))
     with tqdm(total=steps, desc='stages') as progress:
-        if 'traffic' in args.tables:
-            traffic_table(args, device, backends, progress)
+        if {'traffic', 'model'} & set(args.tables):
+            counts = traffic_table(args, device, backends + counted, progress)
+            if 'model' in args.tables:
+                model_table(args, counts)
         if 'time' in args.tables:
-            time_table(args, device, backends, progress)
-    if 'model' in args.tables:
-        model_table(args)
+            time_table(args, device, [name for name, _ in backends], progress)
 
 
 if __name__ == '__main__':
