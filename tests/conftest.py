@@ -3,9 +3,14 @@ import os
 
 import pytest
 
-from mmdtn import available_backends, get_dtn_backend, set_dtn_backend
+# The Triton kernels of DynamicTokenNorm run in Triton's interpreter on CPU tensors (this machine
+# has no GPU); set before triton sees its first kernel.
+os.environ.setdefault('TRITON_INTERPRET', '1')
 
-#: The DTN backends of a CPU machine. 'cpu' needs the kernels that `pip install -e .` builds.
+from mmdtn import available_backends, get_dtn_backend, set_dtn_backend  # noqa: E402
+
+#: The DTN backends of a CPU machine. 'cpu' needs the kernels that `pip install -e .` builds. The
+#: Triton backend, interpreted, is too slow for every test: test_dtn_triton.py tests it.
 CPU_BACKENDS = ['cpu', 'torch']
 
 

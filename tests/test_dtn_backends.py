@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from conftest import CPU_BACKENDS
 from test_dynamic_token_norm import assert_equals_dense_reference, randomize, tokens
 
 from mmdtn import (DynamicTokenNorm, available_backends, get_dtn_backend, neighbourhood_offsets,
@@ -25,7 +26,7 @@ def uses_fused_products(norm, x, hw):
 
 # ----------------------------------------------------------------------------- the switch
 def test_switch_by_function_and_environment_variable(backend_setting):
-    assert set(available_backends('cpu')) == {'cpu', 'torch'}
+    assert set(available_backends('cpu')) == {'cpu', 'torch', 'triton'}  # triton: interpreted
     x = torch.randn(2, 20, 8, dtype=torch.float64)
     norm = randomize(DynamicTokenNorm(8, 2, pool_size=2)).double()
     outputs = {}
@@ -67,7 +68,7 @@ def test_missing_cpu_kernels_warn_once_and_fall_back_or_stop(monkeypatch, backen
     x = tokens(1, 6, 6, 8)
     expected = norm(x, (6, 6))
     monkeypatch.setattr(cpu_backend, 'kernels', None)
-    assert available_backends('cpu') == ['torch']
+    assert 'cpu' not in available_backends('cpu')
     set_dtn_backend('auto')
     with pytest.warns(UserWarning, match="'cpu' backend cannot run.*without its CPU kernels"):
         y = norm(x, (6, 6))
@@ -149,7 +150,7 @@ def assert_backends_agree(norms, x, hw, g):
     """Every CPU backend gives the outputs and gradients of the stacked ``norms`` of the first, to
     float32 rounding."""
     results = []
-    for name in available_backends('cpu'):
+    for name in CPU_BACKENDS:
         set_dtn_backend(name)
         results.append(forward_backward(norms, x, hw, g))
     for other in results[1:]:
@@ -216,3 +217,31 @@ def test_cpu_kernels_baseline_and_avx512_builds_agree(tmp_path):
     for pool in results[0]:
         for a, b in zip(results[0][pool], results[1][pool]):
             assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_traffic_counts_of_the_layer_benchmark():
+    """tools/analysis/benchmark_norm.py counts LayerNorm as one launch reading x and writing y
+    (and its statistics), DTN's compiled kernels inside its custom ops, and the Triton backend on
+    meta tensors, where its kernels are recorded without running."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'tools',
+                                    'analysis'))
+    from benchmark_norm import inputs, layers, traffic
+    C, H, W = 16, 8, 12
+    x_bytes = 2 * H * W * C * 4
+    counts = {}
+    for name, (module, backend, where) in layers(
+            C, 2, 2, torch.device('cpu'),
+            [('cpu', torch.device('cpu')), ('triton', torch.device('meta'))], False).items():
+        x, grad = inputs(C, H, W, 2, where, torch.float32)
+        set_dtn_backend(backend)
+        counts[name] = traffic(module, x, (H, W), grad)
+    set_dtn_backend('auto')
+    forward, backward = counts['LN']
+    assert forward.launches == 1 and 2 * x_bytes <= forward.bytes < 2.2 * x_bytes
+    assert backward.launches == 1 and 3 * x_bytes <= backward.bytes < 3.3 * x_bytes
+    forward, backward = counts['DTN cpu']
+    assert {'cpu.statistics', 'cpu.output'} <= set(forward.by_kernel)
+    assert {'cpu.token_gradients', 'cpu.input_gradient'} <= set(backward.by_kernel)
+    forward, backward = counts['DTN triton']
+    assert forward.by_kernel['triton.output'] >= 2 * x_bytes
+    assert backward.by_kernel['triton.input_gradient'] >= 3 * x_bytes

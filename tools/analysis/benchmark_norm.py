@@ -1,123 +1,125 @@
-"""Forward+backward time and peak memory of DynamicTokenNorm against nn.LayerNorm and against the
-dense formulation of DTN (an explicit T x T positional matrix P^h, Eq. 6), side by side in one run.
+"""DynamicTokenNorm as a layer against nn.LayerNorm, for every DTN backend that runs on the device,
+side by side in one run: kernel launches and bytes moved, time, and peak memory.
 
-Shapes: the four stages of PVT-Tiny for an 800 x 1344 input (B=2; C = 64/128/320/512;
-H x W = 200x336, 100x168, 50x84, 25x42; pool 4/2/1/1; DTN heads 4/4/5/8), then a sweep of square
-inputs from 224 to 1344 on the stage-1 and stage-3 settings to show how the cost grows.
+Shapes: the stages of PVT-Tiny and of Swin-T for an 800 x 1344 input (B = 2; PVT-Tiny C = 64, 128,
+320, 512 with DTN heads 4, 4, 5, 8; Swin-T C = 96, 192, 384, 768 with heads 3, 6, 12, 24; both on
+200 x 336, 100 x 168, 50 x 84 and 25 x 42 tokens, pooling 4, 2, 1, 1).
 
-Time: median over repeats of forward + backward (input and all parameters require grad), the
-three normalisers timed in turn within every repeat; wall-clock time, or with ``--clock cpu`` the
-CPU time of the process (``time.process_time``: robust on a machine shared with other jobs, where
-wall time mostly measures waiting). Memory: peak of the tensor memory allocated
-during forward + backward above what was live before (input, parameters and output gradient
-excluded); on CUDA from ``torch.cuda.max_memory_allocated``, on CPU as the maximum of the running
-sum of all allocation and free events of PyTorch's CPU allocator recorded by ``torch.profiler``
-(``profile_memory=True``). Subnormal floats are flushed to zero for all three (see ``main``).
-
-Floor: the exact inter-token statistics multiply both moments by P_x^h and P_y^h in the forward
-pass; the backward pass needs the transposed products of both gradients and the gradients of P_x^h
-and P_y^h, each with the same number of multiply-adds: 6 B C T (Hp + Wp) in all on the pooled
-Hp x Wp grid, T = Hp Wp. Divided by the device's peak matrix-product rate (a 1024^3 float32
-product, measured first), this is a lower bound on DTN's forward + backward time for any
-implementation that applies P^h as dense matrices (element-wise work and memory traffic
-excluded). DTN's CPU kernels skip the exact zeros of the band matrices P_x^h and P_y^h and can go
-below it; a head whose P^h spreads over a whole axis needs the dense products.
+1. Launches and bytes, forward and backward of one layer (input and all parameters require grad):
+   counted while the layer runs, by a dispatch mode that sees every PyTorch operation, inside the
+   backends' custom ops too, and by the backends' records of their compiled kernels. A launch is a
+   PyTorch operation that computes (views and allocations excluded) or a compiled kernel; its
+   bytes are those of the tensors it reads and writes: what a GPU's memory moves if no operand
+   stays in cache between launches. The Triton backend is also counted where there is no GPU, on
+   meta tensors (shapes without data; its kernels are then recorded, not launched).
+2. The traffic model of the Triton backend: bytes per token of every kernel and of the PyTorch
+   operations between them (the positional products of the cells), forward and backward, beside
+   LayerNorm's, for the tokens' dtype; from the same counts, so on any device.
+3. Time and peak memory of forward + backward: median over repeats, the normalisers timed in turn
+   within every repeat; wall-clock time, or with ``--clock cpu`` the CPU time of the process.
+   Memory: the peak of the tensor memory allocated during forward + backward above what was live
+   before; on CUDA from ``torch.cuda.max_memory_allocated``, on CPU from the allocation and free
+   events of PyTorch's CPU allocator recorded by ``torch.profiler``. The dense formulation of the
+   paper (:mod:`mmdtn.models.layers.dtn.reference`, an explicit T x T P^h) is timed where its
+   T x T tensors fit ``--dense-limit-gb``.
 
 Usage::
 
-    python tools/analysis/benchmark_norm.py [--device cpu|cuda] [--threads N] [--repeats 5]
-        [--clock wall|cpu] [--sizes 224 448 ...] [--dense-limit-gb 2]
+    python tools/analysis/benchmark_norm.py [--device cpu|cuda] [--backends cpu torch ...]
+        [--tables traffic model time] [--dtype float32|float16|bfloat16] [--threads N]
+        [--repeats 5] [--clock wall|cpu] [--dense-limit-gb 2]
 """
 import argparse
+import collections
 import contextlib
-import math
+import copy
 import os
 import statistics
 import sys
 import time
 
 import torch
-import torch.nn.functional as F
-from mmengine.utils import ProgressBar
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from tqdm import tqdm
 
-from mmdtn import DynamicTokenNorm
+from mmdtn import DynamicTokenNorm, available_backends, set_dtn_backend
+from mmdtn.models.layers.dtn.backends.base import recording_launches
+from mmdtn.models.layers.dtn.function import CUSTOM_OP_IMPLEMENTATIONS
+from mmdtn.models.layers.dtn.reference import DenseDynamicTokenNorm
 
-PVT_TINY_STAGES = [  # (name, C, H, W, pool, heads) at 800 x 1344
-    ('stage1', 64, 200, 336, 4, 4),
-    ('stage2', 128, 100, 168, 2, 4),
-    ('stage3', 320, 50, 84, 1, 5),
-    ('stage4', 512, 25, 42, 1, 8),
+# (model, stage, C, H, W, pool, DTN heads) at 800 x 1344
+STAGES = [
+    ('pvt_tiny', 1, 64, 200, 336, 4, 4),
+    ('pvt_tiny', 2, 128, 100, 168, 2, 4),
+    ('pvt_tiny', 3, 320, 50, 84, 1, 5),
+    ('pvt_tiny', 4, 512, 25, 42, 1, 8),
+    ('swin_t', 1, 96, 200, 336, 4, 3),
+    ('swin_t', 2, 192, 100, 168, 2, 6),
+    ('swin_t', 3, 384, 50, 84, 1, 12),
+    ('swin_t', 4, 768, 25, 42, 1, 24),
 ]
-STRIDES = {'stage1': 4, 'stage2': 8, 'stage3': 16, 'stage4': 32}
+DTYPES = {'float32': torch.float32, 'float16': torch.float16, 'bfloat16': torch.bfloat16}
 
 
-class DenseDTN(torch.nn.Module):
-    """DTN with the T x T positional matrix built explicitly from R (Eq. 6), as in the paper's
-    Algorithm 1; pooling and nearest broadcasting as DynamicTokenNorm. Shares its parameters."""
+# ---------------------------------------------------------------------------- launches and bytes
+class TrafficCounter(TorchDispatchMode):
+    """Counts the PyTorch operations that compute and the bytes of their tensor operands (inputs
+    read, outputs written), and the compiled kernels the DTN backends record. Custom ops of the
+    DTN backends are counted by what runs inside them."""
 
-    def __init__(self, dtn):
+    ALLOCATIONS = {'empty', 'empty_like', 'new_empty', 'empty_strided', 'zeros_like', 'lift_fresh',
+                   '_local_scalar_dense', 'detach', 'alias', 'set_', '_to_copy_meta'}
+
+    def __init__(self):
         super().__init__()
-        self.dtn = dtn
+        self.launches, self.bytes = 0, 0
+        self.by_kernel = collections.Counter()  # bytes of each compiled kernel, and of 'torch'
 
-    def forward(self, x, hw_shape):
-        dtn = self.dtn
-        B, N, C = x.shape
-        H, W = hw_shape
-        s, nh = dtn.pool_size, dtn.num_heads
-        Hp, Wp = dtn.pooled_shape(hw_shape)
-        ys, xs = torch.meshgrid(
-            torch.arange(Hp, device=x.device, dtype=x.dtype),
-            torch.arange(Wp, device=x.device, dtype=x.dtype), indexing='ij')
-        ys, xs = ys.flatten(), xs.flatten()
-        dx, dy = xs[None] - xs[:, None], ys[None] - ys[:, None]
-        R = torch.stack([dx * dx + dy * dy, dx, dy], dim=-1)  # (T, T, 3)
-        P = torch.softmax(R @ dtn.pos_coef.t(), dim=1).permute(2, 0, 1)  # Eq. 6, (heads, T, T)
-        image = x.view(B, H, W, C).permute(0, 3, 1, 2)
-        pooled = F.avg_pool2d(image, s, s, ceil_mode=True) if s > 1 else image
-        second = F.avg_pool2d(image * image, s, s, ceil_mode=True) if s > 1 else image * image
-        pooled = pooled.reshape(B, nh, C // nh, Hp * Wp)
-        second = second.reshape(B, nh, C // nh, Hp * Wp)
-        mean_it = pooled @ P.unsqueeze(0).transpose(-1, -2)  # Eq. 5: P^h x^h
-        var_it = (second @ P.unsqueeze(0).transpose(-1, -2) - mean_it**2).clamp_min(0)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inner = CUSTOM_OP_IMPLEMENTATIONS.get(func._schema.name)
+        if inner is not None:  # look inside the custom op
+            with self:
+                return inner(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if not func.is_view and func._opname not in self.ALLOCATIONS:
+            moved = sum(t.numel() * t.element_size()
+                        for t in tree_leaves((args, kwargs, out)) if torch.is_tensor(t))
+            self.launches += 1
+            self.bytes += moved
+            self.by_kernel['torch'] += moved
+        return out
 
-        def to_tokens(t):
-            t = t.reshape(B, C, Hp, 1, Wp, 1).expand(B, C, Hp, s, Wp, s)
-            return t.reshape(B, C, Hp * s, Wp * s)[:, :, :H, :W].flatten(2).transpose(1, 2)
-
-        var_ln, mean_ln = torch.var_mean(x, dim=-1, keepdim=True, correction=0)
-        d = C // nh
-        lm = torch.sigmoid(dtn.mean_gate).repeat_interleave(d)
-        lv = torch.sigmoid(dtn.var_gate).repeat_interleave(d)
-        mean = lm * mean_ln + (1 - lm) * to_tokens(mean_it)
-        var = lv * var_ln + (1 - lv) * to_tokens(var_it)
-        return dtn.weight * (x - mean) / torch.sqrt(var + dtn.eps) + dtn.bias  # Eq. 4
+    @contextlib.contextmanager
+    def counting(self):
+        with recording_launches() as launches, self:
+            yield
+        self.launches += len(launches)
+        for k in launches:
+            self.bytes += k.read + k.written
+            self.by_kernel[k.name] += k.read + k.written
 
 
-def matmul_rate(device, clock, repeats=5, n=1024):
-    """Multiply-adds per second of this device's float32 matrix product (n x n by n x n, best of
-    ``repeats``): the rate no implementation of the positional products can exceed."""
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    out = torch.empty_like(a)
-    best = math.inf
-    for _ in range(repeats + 1):
-        sync(device)
-        start = clock()
-        torch.mm(a, b, out=out)
-        sync(device)
-        best = min(best, clock() - start)
-    return n**3 / best
+def traffic(module, x, hw, grad):
+    """The TrafficCounters of the forward and of the backward pass of ``module``."""
+    params = list(module.parameters())
+    forward, backward = TrafficCounter(), TrafficCounter()
+    with forward.counting():
+        y = call(module, x, hw)
+    with backward.counting():
+        torch.autograd.grad(y, [x, *params], grad)
+    return forward, backward
 
 
-def product_macs(C, H, W, pool, batch):
-    """Multiply-adds of DTN's positional products as dense matrix products, forward + backward:
-    6 B C T (Hp + Wp) on the pooled Hp x Wp grid (T = Hp Wp)."""
-    Hp, Wp = -(-H // pool), -(-W // pool)
-    return 6 * batch * C * Hp * Wp * (Hp + Wp)
+# ---------------------------------------------------------------------------- time and memory
+def call(module, x, hw):
+    return module(x) if isinstance(module, torch.nn.LayerNorm) else module(x, hw)
 
 
-def fwd_bwd(module, x, hw_shape, grad):
-    y = module(x) if isinstance(module, torch.nn.LayerNorm) else module(x, hw_shape)
-    y.backward(grad)
+def forward_backward(module, x, hw, grad):
+    params = list(module.parameters())
+    torch.autograd.grad(call(module, x, hw), [x, *params], grad)
 
 
 def sync(device):
@@ -161,131 +163,164 @@ def peak_memory(fn, device):
     return peak
 
 
-def measure(shapes, batch, device, repeats, warmup, dense_repeats, dense_limit_gb, clock,
-            progress, rate):
-    """Rows of (label, tokens, {'ln'|'dtn'|'dense': (seconds, bytes) or None})."""
-    rows = []
-    for label, C, H, W, pool, heads in shapes:
-        torch.manual_seed(0)
-        x = torch.randn(batch, H * W, C, device=device, requires_grad=True)
-        grad = torch.randn_like(x)
-        dtn = DynamicTokenNorm(C, heads, pool_size=pool).to(device)
-        modules = {'ln': torch.nn.LayerNorm(C, eps=1e-6).to(device), 'dtn': dtn}
-        Hp, Wp = dtn.pooled_shape((H, W))
-        dense_bytes = 4 * heads * (Hp * Wp)**2 * 4  # P, R-logits and their gradients, float32
-        if dense_bytes <= dense_limit_gb * 2**30:
-            modules['dense'] = DenseDTN(dtn)
-        times = {k: [] for k in modules}
-        for it in range(warmup + repeats):
-            for key, module in modules.items():  # side by side: every repeat times all of them
-                if key == 'dense' and not warmup <= it < warmup + dense_repeats:
-                    continue  # tens of times slower: fewer repeats
-                x.grad = None
-                for p in module.parameters():
-                    p.grad = None
-                sync(device)
-                start = clock()
-                fwd_bwd(module, x, (H, W), grad)
-                sync(device)
-                if it >= warmup:
-                    times[key].append(clock() - start)
-        result = {}
-        for key, module in modules.items():
-            x.grad = None
-            for p in module.parameters():
-                p.grad = None
-            mem = peak_memory(lambda: fwd_bwd(module, x, (H, W), grad), device)
-            result[key] = (statistics.median(times[key]), mem)
-        result.setdefault('dense', None)
-        result['floor'] = product_macs(C, H, W, pool, batch) / rate
-        rows.append((label, (C, H, W, pool, heads), result))
+def timed(modules, x, hw, grad, device, repeats, warmup, clock):
+    """Median forward + backward time of every module, timed in turn within every repeat."""
+    times = {name: [] for name in modules}
+    for it in range(warmup + repeats):
+        for name, (module, backend) in modules.items():
+            set_dtn_backend(backend)
+            sync(device)
+            start = clock()
+            forward_backward(module, x, hw, grad)
+            sync(device)
+            if it >= warmup:
+                times[name].append(clock() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+# ---------------------------------------------------------------------------- the tables
+def layers(C, heads, pool, device, backends, dense):
+    """{name: (module, backend, device)}: LayerNorm, DTN on every backend (each on its device),
+    and the dense formulation."""
+    torch.manual_seed(0)
+    dtn = DynamicTokenNorm(C, heads, pool_size=pool)
+    modules = {'LN': (torch.nn.LayerNorm(C, eps=1e-6).to(device), 'auto', device)}
+    for backend, where in backends:
+        modules[f'DTN {backend}'] = (copy.deepcopy(dtn).to(where), backend, where)
+    if dense:
+        modules['dense'] = (DenseDynamicTokenNorm(dtn.to(device)), 'auto', device)
+    return modules
+
+
+def inputs(C, H, W, batch, device, dtype):
+    torch.manual_seed(0)
+    x = torch.randn(batch, H * W, C, device=device, dtype=dtype, requires_grad=True)
+    return x, torch.randn_like(x)
+
+
+def stage_label(model, stage, C, H, W, pool):
+    return f'{model} s{stage} {H}x{W}x{C} p{pool}'
+
+
+def traffic_table(args, device, backends, progress):
+    """Prints the launches and bytes of every layer; returns the counters by (stage, layer)."""
+    counts = {}
+    for model, stage, C, H, W, pool, heads in STAGES:
+        label = stage_label(model, stage, C, H, W, pool)
+        for name, (module, backend, where) in layers(C, heads, pool, device, backends,
+                                                     False).items():
+            x, grad = inputs(C, H, W, args.batch, where, DTYPES[args.dtype])
+            set_dtn_backend(backend)
+            counts[label, name] = traffic(module, x, (H, W), grad)
         progress.update()
-    return rows
+    print(f'\nLaunches and bytes per layer, batch {args.batch}, {args.dtype} tokens, '
+          f'{device.type} (PyTorch operations and compiled kernels, bytes of their operands; '
+          '"on meta": counted on meta tensors)')
+    head = (f"{'stage':<28}{'layer':<20}{'fwd launches':>13}{'fwd MB':>9}{'x LN':>7}"
+            f"{'bwd launches':>13}{'bwd MB':>9}{'x LN':>7}")
+    print(head + '\n' + '-' * len(head))
+    for (label, name), (fwd, bwd) in counts.items():
+        ln_fwd, ln_bwd = counts[label, 'LN']
+        where = dict(backends).get(name[4:]) if name.startswith('DTN ') else device
+        shown = name + (' (on meta)' if str(where) == 'meta' else '')
+        print(f'{label:<28}{shown:<20}{fwd.launches:>13}{fwd.bytes / 2**20:>9.1f}'
+              f'{fwd.bytes / ln_fwd.bytes:>6.2f}x{bwd.launches:>13}{bwd.bytes / 2**20:>9.1f}'
+              f'{bwd.bytes / ln_bwd.bytes:>6.2f}x')
+    return counts
 
 
-def print_table(title, rows):
-    print(f'\n{title}')
-    head = (f"{'shape':<24}{'LN ms':>9}{'DTN ms':>9}{'dense ms':>10}{'DTN/LN':>8}{'dense/DTN':>10}"
-            f"{'LN MB':>8}{'DTN MB':>8}{'dense MB':>9}{'mem DTN/LN':>11}{'floor ms':>9}"
-            f"{'floor/LN':>9}")
-    print(head)
-    print('-' * len(head))
-    for label, (C, H, W, pool, heads), r in rows:
-        ln_t, ln_m = r['ln']
-        dtn_t, dtn_m = r['dtn']
-        shape = f'{label} {H}x{W}x{C} s{pool}'
-        if r['dense'] is None:
-            dense_t = dense_ratio = dense_m = '-'
-        else:
-            dense_t = f"{r['dense'][0] * 1e3:.1f}"
-            dense_ratio = f"{r['dense'][0] / dtn_t:.1f}x"
-            dense_m = f"{r['dense'][1] / 2**20:.0f}"
-        print(f'{shape:<24}{ln_t * 1e3:>9.1f}{dtn_t * 1e3:>9.1f}{dense_t:>10}'
-              f'{dtn_t / ln_t:>7.2f}x{dense_ratio:>10}{ln_m / 2**20:>8.0f}{dtn_m / 2**20:>8.0f}'
-              f'{dense_m:>9}{dtn_m / max(ln_m, 1):>10.2f}x{r["floor"] * 1e3:>9.1f}'
-              f'{r["floor"] / ln_t:>8.1f}x')
+def model_table(args, counts):
+    """Bytes per token of every Triton kernel and of the PyTorch operations between them."""
+    print(f'\nTraffic of the Triton backend per token, {args.dtype} tokens (statistics in '
+          'float32), bytes read + written; targets: forward <= 1.5x and backward <= 2x '
+          "LayerNorm's with pooling, <= 2x and <= 3x without")
+    for model, stage, C, H, W, pool, heads in STAGES:
+        label = stage_label(model, stage, C, H, W, pool)
+        if (label, 'DTN triton') not in counts:
+            return
+        tokens = args.batch * H * W
+        ln = counts[label, 'LN']
+        print(f'  {label}')
+        for pass_, dtn, ln_pass, target in zip(('forward', 'backward'), counts[label, 'DTN triton'],
+                                              ln, (1.5, 2.0) if pool > 1 else (2.0, 3.0)):
+            parts = ', '.join(f'{k.replace("triton.", "")} {v / tokens:.0f}'
+                              for k, v in sorted(dtn.by_kernel.items()))
+            ratio = dtn.bytes / ln_pass.bytes
+            print(f'    {pass_:<9} {dtn.bytes / tokens:>7.0f} B/token = {parts}; LayerNorm '
+                  f'{ln_pass.bytes / tokens:.0f}: {ratio:.2f}x (target {target}x: '
+                  f"{'met' if ratio <= target else 'not met'})")
+
+
+def time_table(args, device, names, progress):
+    clock = time.process_time if args.clock == 'cpu' else time.perf_counter
+    print(f'\nForward + backward, batch {args.batch}, {args.dtype}, {device.type}, median of '
+          f'{args.repeats} ({args.clock} clock; memory: peak above the inputs)')
+    head = f"{'stage':<28}{'layer':<11}{'ms':>9}{'x LN':>7}{'MB':>9}{'x LN':>7}"
+    print(head + '\n' + '-' * len(head))
+    for model, stage, C, H, W, pool, heads in STAGES:
+        x, grad = inputs(C, H, W, args.batch, device, DTYPES[args.dtype])
+        T = (-(-H // pool) * -(-W // pool))**2
+        dense = 4 * heads * T * x.element_size() * 4 <= args.dense_limit_gb * 2**30
+        modules = {name: m[:2] for name, m in layers(C, heads, pool, device,
+                                                     [(n, device) for n in names], dense).items()}
+        times = timed(modules, x, (H, W), grad, device, args.repeats, args.warmup, clock)
+        label = stage_label(model, stage, C, H, W, pool)
+        for name, (module, backend) in modules.items():
+            set_dtn_backend(backend)
+            mem = peak_memory(lambda: forward_backward(module, x, (H, W), grad), device)
+            if name == 'LN':
+                base = times[name], mem
+            print(f'{label:<28}{name:<11}{times[name] * 1e3:>9.1f}{times[name] / base[0]:>6.2f}x'
+                  f'{mem / 2**20:>9.0f}{mem / max(base[1], 1):>6.2f}x')
+        progress.update()
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
+    parser.add_argument('--backends', nargs='+', default=None,
+                        help='DTN backends to measure (default: all that run on the device, and '
+                        'triton, counted on meta tensors where no GPU runs it)')
+    parser.add_argument('--tables', nargs='+', default=['traffic', 'model', 'time'],
+                        choices=['traffic', 'model', 'time'])
+    parser.add_argument('--dtype', default='float32', choices=sorted(DTYPES),
+                        help='dtype of the tokens (the parameters stay float32)')
     parser.add_argument('--threads', type=int, default=None, help='torch CPU threads')
     parser.add_argument('--batch', type=int, default=2)
     parser.add_argument('--clock', choices=['wall', 'cpu'], default='wall',
                         help='wall-clock time or CPU time of the process')
     parser.add_argument('--repeats', type=int, default=5)
     parser.add_argument('--warmup', type=int, default=2)
-    parser.add_argument('--dense-repeats', type=int, default=1,
-                        help='repeats of the (much slower) dense formulation, after the warm-up')
-    parser.add_argument('--sizes', type=int, nargs='+', default=[224, 448, 672, 896, 1120, 1344])
     parser.add_argument('--dense-limit-gb', type=float, default=2.0,
-                        help='skip the dense formulation when its T x T tensors exceed this')
+                        help='time the dense formulation only where its T x T tensors fit this')
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if args.clock == 'cpu' and device.type == 'cuda':
+        parser.error('--clock cpu measures host CPU time; use the wall clock on CUDA')
+    names = args.backends or [*available_backends(device), 'triton']
+    names = list(dict.fromkeys(names))
+    unknown = set(names) - set(available_backends(device)) - {'triton'}
+    if unknown:
+        parser.error(f'backends {sorted(unknown)} cannot run on {device}; '
+                     f'available: {available_backends(device)}')
+    backends = [(name, device) for name in names if name in available_backends(device)]
+    counted = [(name, torch.device('meta')) for name in names
+               if name not in available_backends(device)]  # triton without a GPU: counted only
     # subnormal floats (tiny softmax weights of the dense P) slow CPU matrix products down by
     # orders of magnitude; flushing them to zero keeps the comparison about the formulation
     torch.set_flush_denormal(True)
-
-    sweep = []
-    for size in args.sizes:
-        for label, C, _, _, pool, heads in (PVT_TINY_STAGES[0], PVT_TINY_STAGES[2]):
-            side = math.ceil(size / STRIDES[label])
-            sweep.append((f'{size}px {label}', C, side, side, pool, heads))
-    progress = ProgressBar(len(PVT_TINY_STAGES) + len(sweep))
-    clock = time.process_time if args.clock == 'cpu' else time.perf_counter
-    if args.clock == 'cpu' and device.type == 'cuda':
-        parser.error('--clock cpu measures host CPU time; use the wall clock on CUDA')
-    rate = matmul_rate(device, clock)
-    stages = measure(PVT_TINY_STAGES, args.batch, device, args.repeats, args.warmup,
-                     args.dense_repeats, args.dense_limit_gb, clock, progress, rate)
-    sizes = measure(sweep, args.batch, device, args.repeats, args.warmup, args.dense_repeats,
-                    args.dense_limit_gb, clock, progress, rate)
-    print(f'\ndevice={device} threads={torch.get_num_threads()} batch={args.batch} '
-          f'repeats={args.repeats} (dense {args.dense_repeats}), median {args.clock} time, '
-          f'torch {torch.__version__}, peak matrix product {rate / 1e9:.0f} G multiply-adds/s')
-    print_table('PVT-Tiny stages at 800 x 1344 (forward + backward)', stages)
-    print_table('Input-size sweep, square inputs (forward + backward)', sizes)
-
-    print('\nTargets')
-    for label, _, r in stages:
-        ratio = r['dtn'][0] / r['ln'][0]
-        floor = r['floor'] / r['ln'][0]
-        print(f"  {label}: DTN/LN time {ratio:.2f}x (target <= 3x): "
-              f"{'met' if ratio <= 3 else 'NOT met'}; the positional products alone need "
-              f">= {floor:.1f}x LN's time on this device"
-              + (' (target out of reach with dense products)' if floor > 3 else ''))
-    r = stages[0][2]
-    if r['dense'] is not None:
-        ratio = r['dense'][0] / r['dtn'][0]
-        print(f"  stage1: dense/DTN time {ratio:.1f}x (target >= 10x): "
-              f"{'met' if ratio >= 10 else 'NOT met'}")
-    for label in ('stage1', 'stage3'):
-        rows = [(s, row[2]['dtn'][1], row[1][1] * row[1][2]) for s, row in zip(
-            [n for n in args.sizes], [row for row in sizes if row[0].endswith(label)])]
-        per_token = ', '.join(f'{s}px {m / t / args.batch / 1024:.2f}' for s, m, t in rows)
-        print(f'  {label} DTN peak memory per token and image (KiB): {per_token}')
+    print(f'device={device} threads={torch.get_num_threads()} torch {torch.__version__} '
+          f'backends {backends}')
+    steps = len(STAGES) * (bool({'traffic', 'model'} & set(args.tables)) + ('time' in args.tables))
+    with tqdm(total=steps, desc='stages') as progress:
+        if {'traffic', 'model'} & set(args.tables):
+            counts = traffic_table(args, device, backends + counted, progress)
+            if 'model' in args.tables:
+                model_table(args, counts)
+        if 'time' in args.tables:
+            time_table(args, device, [name for name, _ in backends], progress)
 
 
 if __name__ == '__main__':

@@ -21,6 +21,7 @@ Compiled kernels run inside ``torch.library`` custom ops (:func:`define_custom_o
 implementations and registered autograd, so that tracing never reaches them. Either way,
 everything backward needs goes through ``save_for_backward``.
 """
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -30,9 +31,17 @@ from torch import Tensor
 from ..reference_compat import StatisticsConvention
 from .grid import TokenGrid
 
-__all__ = ['TokenStatistics', 'Saved', 'Gradients', 'dtn_forward', 'dtn_backward',
+__all__ = ['no_autocast', 'TokenStatistics', 'Saved', 'Gradients', 'dtn_forward', 'dtn_backward',
            'inter_token_statistics', 'ln_gradient', 'define_traced_function', 'define_custom_ops',
            'CUSTOM_OP_IMPLEMENTATIONS']
+
+
+def no_autocast(device):
+    """Autocast off on ``device`` (a device or its type), where autocast exists (not on 'meta')."""
+    kind = getattr(device, 'type', device)
+    if torch.amp.is_autocast_available(kind):
+        return torch.autocast(kind, enabled=False)
+    return contextlib.nullcontext()
 
 
 @dataclass
@@ -107,7 +116,7 @@ def dtn_forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps, conventio
     (heads, Wp, Wp) of P^h and ``ratios`` (4, C), the per-channel lambda_mean, 1 - lambda_mean,
     lambda_var, 1 - lambda_var. Returns y and what the backward pass needs (:class:`Saved`).
     Autocast is off: the statistics keep the computation dtype."""
-    with torch.autocast(x.device.type, enabled=False):
+    with no_autocast(x.device):
         return _forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps, convention)
 
 
@@ -127,7 +136,7 @@ def _forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
 
 def dtn_backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convention):
     """The gradients (:class:`Gradients`) of :func:`dtn_forward` for the output gradient g."""
-    with torch.autocast(x.device.type, enabled=False):
+    with no_autocast(x.device):
         return _backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convention)
 
 

@@ -5,7 +5,7 @@ from torch import nn
 
 from ..reference_compat import PAPER_CONVENTION, REFERENCE_CONVENTION, group_rms_normalize
 from .backends import select_backend
-from .function import inter_token_statistics
+from .function import inter_token_statistics, no_autocast
 from .grid import TokenGrid
 from .positional import axis_factors, paper_coefficients, positional_matrix
 
@@ -144,7 +144,7 @@ class DynamicTokenNorm(nn.Module):
             ``reference_compat`` they refer to the group-RMS-normalised input.
         """
         grid = self._grid(x, hw_shape)
-        with torch.autocast(x.device.type, enabled=False), torch.no_grad():
+        with no_autocast(x.device), torch.no_grad():
             dtype = self._computation_dtype(x)
             xc = self._prepare(x.to(dtype))
             p_y, p_x = self.axis_matrices(hw_shape, dtype=dtype)
@@ -166,7 +166,7 @@ class DynamicTokenNorm(nn.Module):
     def forward(self, x, hw_shape):
         """Normalise tokens ``x`` (B, N, C) laid out row-major on the ``hw_shape`` = (H, W) grid."""
         grid = self._grid(x, hw_shape)
-        with torch.autocast(x.device.type, enabled=False):
+        with no_autocast(x.device):
             dtype = self._computation_dtype(x)
             weight, bias = self.weight.to(dtype), self.bias.to(dtype)
             if x.numel() == 0:

@@ -25,10 +25,12 @@ import triton.language as tl
 
 from .base import record_launch
 
-__all__ = ['statistics', 'output', 'token_gradients', 'input_gradient', 'launch_configs']
+__all__ = ['statistics', 'output', 'token_gradients', 'input_gradient', 'specializations',
+           'TOKEN_POINTERS']
 
-#: Elements of x a program holds at a time (TILE tokens x C_BLOCK channels).
-TILE_ELEMENTS = 4096
+#: Elements of a token tile (TILE tokens x C_BLOCK channels) per thread of a program: a pass holds
+#: several such tiles (x, dL/dy, the cell statistics, ...) in registers.
+ELEMENTS_PER_THREAD = 8
 #: Tokens a program of the per-token passes without pooling covers (its partial sums are
 #: written once: more tokens per program, fewer partial sums to add up).
 TOKENS_PER_PROGRAM = 256
@@ -40,7 +42,14 @@ def _bytes(*tensors):
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def _launch(name, kernel, grid, reads, writes, num_warps, *args, **constexprs):
+#: Pointer arguments of the kernels to tensors of the tokens' dtype (all others are float32).
+TOKEN_POINTERS = ('x_ptr', 'g_ptr', 'y_ptr', 'dx_ptr')
+
+
+def _launch(name, spec, grid, reads, writes, *args):
+    """Records the launch of ``spec`` = (kernel, constexprs, num_warps) and, unless the tensors
+    are meta tensors (traffic counts only), launches it."""
+    kernel, constexprs, num_warps = spec
     record_launch(name, _bytes(*reads), _bytes(*writes))
     if reads[0].device.type != 'meta':
         kernel[grid](*args, **constexprs, num_warps=num_warps)
@@ -50,23 +59,34 @@ def _c_block(C):
     return triton.next_power_of_2(C)
 
 
-def _tile(C, S_BLOCK=1):
-    """Tokens per tile: TILE_ELEMENTS / C_BLOCK, at least one row of a cell."""
-    return max(S_BLOCK, min(64, TILE_ELEMENTS // _c_block(C)))
+def _tile(C):
+    """Tokens per tile: ELEMENTS_PER_THREAD elements of the tile per thread."""
+    return max(1, min(64, ELEMENTS_PER_THREAD * 32 * _warps(C) // _c_block(C)))
 
 
 def _warps(C):
     return 4 if _c_block(C) <= 256 else 8
 
 
+def _tiles(C):
+    return max(1, TOKENS_PER_PROGRAM // _tile(C))
+
+
 # ---------------------------------------------------------------------------- shared pieces
 @triton.jit
-def _load_tokens(x_ptr, tokens, valid, C, C_BLOCK: tl.constexpr):
-    """Tokens (TILE,) of x (rows of C), as float32 [TILE, C_BLOCK], zeros outside; and the mask."""
+def _load_tokens(image_ptr, tokens, valid, C, C_BLOCK: tl.constexpr):
+    """Tokens (TILE,) of one image (rows of C from ``image_ptr``), as float32 [TILE, C_BLOCK],
+    zeros outside; and the mask. Offsets within an image are int32, images are int64 apart."""
     cols = tl.arange(0, C_BLOCK)
     mask = valid[:, None] & (cols[None, :] < C)
-    x = tl.load(x_ptr + tokens[:, None].to(tl.int64) * C + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(image_ptr + tokens[:, None] * C + cols[None, :], mask=mask, other=0.0)
     return x.to(tl.float32), mask
+
+
+@triton.jit
+def _image(ptr, b, size):
+    """The start of image b of a tensor of images of ``size`` elements each."""
+    return ptr + b.to(tl.int64) * size
 
 
 @triton.jit
@@ -78,12 +98,11 @@ def _ln_statistics(x, mask, C, n_var):
 
 
 @triton.jit
-def _cell_offsets(ci, cj, cols, d, sb, si, sj, sh, b):
-    """Offsets [TILE, C_BLOCK] of channel ``cols`` of cells (b, ci, cj) in a strided
-    (B, Hp, Wp, heads, d) view."""
+def _cell_offsets(ci, cj, cols, d, si, sj, sh):
+    """Offsets [TILE, C_BLOCK] of channel ``cols`` of cells (ci, cj) in one image of a strided
+    (B, Hp, Wp, heads, d) view (see :func:`_image`)."""
     head, k = cols // d, cols % d
-    base = b.to(tl.int64) * sb + ci * si
-    return base + cj[:, None].to(tl.int64) * sj + (head * sh + k)[None, :]
+    return ci * si + cj[:, None] * sj + (head * sh + k)[None, :]
 
 
 @triton.jit
@@ -129,10 +148,10 @@ def _token_statistics_kernel(x_ptr, mean_ptr, var_ptr, partial_ptr, N, C, n_var,
     for t in range(TILES):
         tokens = (p * TILES + t) * TILE + tl.arange(0, TILE)
         valid = tokens < N
-        x, mask = _load_tokens(x_ptr + b.to(tl.int64) * N * C, tokens, valid, C, C_BLOCK)
+        x, mask = _load_tokens(_image(x_ptr, b, N * C), tokens, valid, C, C_BLOCK)
         mean, var = _ln_statistics(x, mask, C, n_var)
-        tl.store(mean_ptr + b * N + tokens, mean, mask=valid)
-        tl.store(var_ptr + b * N + tokens, var, mask=valid)
+        tl.store(_image(mean_ptr, b, N) + tokens, mean, mask=valid)
+        tl.store(_image(var_ptr, b, N) + tokens, var, mask=valid)
         total += tl.sum(x, axis=0)
     tl.store(partial_ptr + (b * tl.num_programs(1) + p).to(tl.int64) * C + cols, total,
              mask=cols < C)
@@ -148,7 +167,7 @@ def _cell_statistics_kernel(x_ptr, mean_ptr, var_ptr, cell_mean_ptr, cell_m2_ptr
     Hp, Wp = (H + pool - 1) // pool, (W + pool - 1) // pool
     b, ci = row // Hp, row % Hp
     cols = tl.arange(0, C_BLOCK)
-    x_image = x_ptr + b.to(tl.int64) * H * W * C
+    x_image = _image(x_ptr, b, H * W * C)
     for c in range(CELLS):
         cj = block * CELLS + c
         if cj < Wp:
@@ -163,8 +182,8 @@ def _cell_statistics_kernel(x_ptr, mean_ptr, var_ptr, cell_mean_ptr, cell_m2_ptr
                 tokens = i * W + j
                 x, mask = _load_tokens(x_image, tokens, valid, C, C_BLOCK)
                 mu, var = _ln_statistics(x, mask, C, n_var)
-                tl.store(mean_ptr + b * H * W + tokens, mu, mask=valid)
-                tl.store(var_ptr + b * H * W + tokens, var, mask=valid)
+                tl.store(_image(mean_ptr, b, H * W) + tokens, mu, mask=valid)
+                tl.store(_image(var_ptr, b, H * W) + tokens, var, mask=valid)
                 n = tl.sum(valid.to(tl.float32), axis=0)
                 row_mean = tl.sum(x, axis=0) / tl.maximum(n, 1.0)
                 diff = tl.where(mask, x - row_mean[None, :], 0.0)
@@ -187,25 +206,29 @@ def statistics(x, grid, n_var):
     B, N, C = x.shape
     f32 = dict(dtype=torch.float32, device=x.device)
     mean_ln, var_ln = torch.empty(B, N, 1, **f32), torch.empty(B, N, 1, **f32)
-    C_BLOCK = _c_block(C)
+    spec = _statistics_spec(C, grid.pool)
     if not grid.pooled:
-        TILE = _tile(C)
-        TILES = max(1, TOKENS_PER_PROGRAM // TILE)
-        programs = triton.cdiv(N, TILE * TILES)
+        programs = triton.cdiv(N, _tile(C) * _tiles(C))
         partial = torch.empty(B, programs, C, **f32)
-        _launch('triton.token_statistics', _token_statistics_kernel, (B, programs), [x],
-                [mean_ln, var_ln, partial], _warps(C), x, mean_ln, var_ln, partial, N, C,
-                float(n_var), TILE=TILE, TILES=TILES, C_BLOCK=C_BLOCK)
+        _launch('triton.token_statistics', spec, (B, programs), [x], [mean_ln, var_ln, partial],
+                x, mean_ln, var_ln, partial, N, C, float(n_var))
         return mean_ln, var_ln, partial
     cell_mean = torch.empty(B, grid.Hp, grid.Wp, C, **f32)
     cell_m2 = torch.empty_like(cell_mean)
-    S_BLOCK = triton.next_power_of_2(grid.pool)
-    _launch('triton.cell_statistics', _cell_statistics_kernel,
+    _launch('triton.cell_statistics', spec,
             (B * grid.Hp, triton.cdiv(grid.Wp, CELLS_PER_PROGRAM)), [x],
-            [mean_ln, var_ln, cell_mean, cell_m2], _warps(C), x, mean_ln, var_ln, cell_mean,
-            cell_m2, grid.H, grid.W, C, grid.pool, float(n_var), CELLS=CELLS_PER_PROGRAM,
-            S_BLOCK=S_BLOCK, C_BLOCK=C_BLOCK)
+            [mean_ln, var_ln, cell_mean, cell_m2], x, mean_ln, var_ln, cell_mean, cell_m2,
+            grid.H, grid.W, C, grid.pool, float(n_var))
     return mean_ln, var_ln, (cell_mean, cell_m2)
+
+
+def _statistics_spec(C, pool):
+    if pool == 1:
+        return (_token_statistics_kernel, dict(TILE=_tile(C), TILES=_tiles(C),
+                                               C_BLOCK=_c_block(C)), _warps(C))
+    return (_cell_statistics_kernel, dict(CELLS=CELLS_PER_PROGRAM,
+                                          S_BLOCK=triton.next_power_of_2(pool),
+                                          C_BLOCK=_c_block(C)), _warps(C))
 
 
 # ---------------------------------------------------------------------------- output
@@ -218,20 +241,21 @@ def _output_kernel(x_ptr, mean_ptr, var_ptr, first_ptr, second_ptr, centre_ptr, 
     b, i = row // H, row % H
     j = block * TILE + tl.arange(0, TILE)
     valid = j < W
-    tokens = b * H * W + i * W + j
-    x, mask = _load_tokens(x_ptr, tokens, valid, C, C_BLOCK)
+    tokens = i * W + j
+    x, mask = _load_tokens(_image(x_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
     cols = tl.arange(0, C_BLOCK)
-    cell = _cell_offsets(i // pool, j // pool, cols, d, sb, si, sj, sh, b)
-    first, var_it = _inter_token(first_ptr, second_ptr, cell, mask, RAW)
+    cell = _cell_offsets(i // pool, j // pool, cols, d, si, sj, sh)
+    first, var_it = _inter_token(_image(first_ptr, b, sb), _image(second_ptr, b, sb), cell, mask,
+                                 RAW)
     centre = tl.load(centre_ptr + b * C + cols, mask=cols < C, other=0.0)[None, :]
     lam_m, kap_m, lam_v, kap_v, weight = _channel_rows(ratios_ptr, weight_ptr, C, C_BLOCK)
     bias = tl.load(bias_ptr + cols, mask=cols < C, other=0.0)[None, :]
-    mean_ln = tl.load(mean_ptr + tokens, mask=valid, other=0.0)
-    var_ln = tl.load(var_ptr + tokens, mask=valid, other=0.0)
+    mean_ln = tl.load(_image(mean_ptr, b, H * W) + tokens, mask=valid, other=0.0)
+    var_ln = tl.load(_image(var_ptr, b, H * W) + tokens, mask=valid, other=0.0)
     _, xhat = _normalised(x, mean_ln, var_ln, first, var_it, centre, lam_m, kap_m, lam_v, kap_v,
                           eps)
     y = xhat * weight + bias
-    tl.store(y_ptr + tokens[:, None].to(tl.int64) * C + cols[None, :],
+    tl.store(_image(y_ptr, b, H * W * C) + tokens[:, None] * C + cols[None, :],
              y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -239,13 +263,15 @@ def output(x, mean_ln, var_ln, first, second, centre, ratios, weight, bias, eps,
     """y (x's shape and dtype) from x, Eq. 2 and the cell views of m (see the module docstring)."""
     B, N, C = x.shape
     y = x.new_empty(x.shape)
-    TILE = _tile(C)
-    _launch('triton.output', _output_kernel, (B * grid.H, triton.cdiv(grid.W, TILE)),
-            [x, mean_ln, var_ln, first, second, centre, ratios, weight, bias], [y], _warps(C),
+    _launch('triton.output', _output_spec(C, grid.pool), (B * grid.H, triton.cdiv(grid.W, _tile(C))),
+            [x, mean_ln, var_ln, first, second, centre, ratios, weight, bias], [y],
             x, mean_ln, var_ln, first, second, centre, ratios, weight, bias, y, grid.H, grid.W, C,
-            grid.pool, grid.d, *first.stride()[:4], float(eps), RAW=not grid.pooled, TILE=TILE,
-            C_BLOCK=_c_block(C))
+            grid.pool, grid.d, *first.stride()[:4], float(eps))
     return y
+
+
+def _output_spec(C, pool):
+    return _output_kernel, dict(RAW=pool == 1, TILE=_tile(C), C_BLOCK=_c_block(C)), _warps(C)
 
 
 # ---------------------------------------------------------------------------- backward pass 1
@@ -294,22 +320,23 @@ def _token_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, first_ptr, second_p
     s_mit = tl.zeros([C_BLOCK], tl.float32)
     s_vit = tl.zeros([C_BLOCK], tl.float32)
     for t in range(TILES):
-        j = (p * TILES + t) * TILE + tl.arange(0, TILE)
-        valid = j < N
-        tokens = b * N + j
-        x, mask = _load_tokens(x_ptr, tokens, valid, C, C_BLOCK)
-        g, _ = _load_tokens(g_ptr, tokens, valid, C, C_BLOCK)
-        mean_ln = tl.load(mean_ptr + tokens, mask=valid, other=0.0)
-        var_ln = tl.load(var_ptr + tokens, mask=valid, other=0.0)
-        cell = _cell_offsets(0, j, cols, d, sb, 0, sj, sh, b)  # token j of the image
-        first, var_it = _inter_token(first_ptr, second_ptr, cell, mask, True)
+        tokens = (p * TILES + t) * TILE + tl.arange(0, TILE)
+        valid = tokens < N
+        x, mask = _load_tokens(_image(x_ptr, b, N * C), tokens, valid, C, C_BLOCK)
+        g, _ = _load_tokens(_image(g_ptr, b, N * C), tokens, valid, C, C_BLOCK)
+        mean_ln = tl.load(_image(mean_ptr, b, N) + tokens, mask=valid, other=0.0)
+        var_ln = tl.load(_image(var_ptr, b, N) + tokens, mask=valid, other=0.0)
+        cell = _cell_offsets(0, tokens, cols, d, 0, sj, sh)  # every token its own cell
+        first, var_it = _inter_token(_image(first_ptr, b, sb), _image(second_ptr, b, sb), cell,
+                                     mask, True)
         d1, d2, xg = _token_terms(x, g, mean_ln, var_ln, first, var_it, centre, lam_m, kap_m,
                                   lam_v, kap_v, weight, eps)
         d1, d2 = tl.where(mask, d1, 0.0), tl.where(mask, d2, 0.0)
         # dL/dm_second = dL/dvar_it [var_it > 0], dL/dm_first = dL/dmu_it - 2 m_first dL/dm_second
         dm_second = tl.where(var_it > 0, -0.5 * kap_v * d2, 0.0)
-        tl.store(dm_first_ptr + cell, -kap_m * d1 - 2.0 * first * dm_second, mask=mask)
-        tl.store(dm_second_ptr + cell, dm_second, mask=mask)
+        tl.store(_image(dm_first_ptr, b, sb) + cell, -kap_m * d1 - 2.0 * first * dm_second,
+                 mask=mask)
+        tl.store(_image(dm_second_ptr, b, sb) + cell, dm_second, mask=mask)
         s_xg += tl.sum(tl.where(mask, xg, 0.0), axis=0)
         s_g += tl.sum(g, axis=0)
         s_mu += tl.sum(mean_ln[:, None] * d1, axis=0)
@@ -344,8 +371,9 @@ def _cell_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, first_ptr, second_pt
         cj = block * CELLS + c
         if cj < Wp:
             # the cell's statistics as one row [1, C_BLOCK], broadcast over its tokens
-            cell = _cell_offsets(ci, cj + tl.zeros([1], tl.int32), cols, d, sb, si, sj, sh, b)
-            first, var_it = _inter_token(first_ptr, second_ptr, cell, cmask[None, :], False)
+            cell = _cell_offsets(ci, cj + tl.zeros([1], tl.int32), cols, d, si, sj, sh)
+            first, var_it = _inter_token(_image(first_ptr, b, sb), _image(second_ptr, b, sb), cell,
+                                         cmask[None, :], False)
             cell_d1 = tl.zeros([C_BLOCK], tl.float32)
             cell_d2 = tl.zeros([C_BLOCK], tl.float32)
             j = cj * pool + tl.arange(0, S_BLOCK)
@@ -353,11 +381,11 @@ def _cell_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, first_ptr, second_pt
             for r in range(0, pool):
                 i = ci * pool + r
                 valid = in_cell & (i < H)
-                tokens = b * H * W + i * W + j
-                x, mask = _load_tokens(x_ptr, tokens, valid, C, C_BLOCK)
-                g, _ = _load_tokens(g_ptr, tokens, valid, C, C_BLOCK)
-                mean_ln = tl.load(mean_ptr + tokens, mask=valid, other=0.0)
-                var_ln = tl.load(var_ptr + tokens, mask=valid, other=0.0)
+                tokens = i * W + j
+                x, mask = _load_tokens(_image(x_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
+                g, _ = _load_tokens(_image(g_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
+                mean_ln = tl.load(_image(mean_ptr, b, H * W) + tokens, mask=valid, other=0.0)
+                var_ln = tl.load(_image(var_ptr, b, H * W) + tokens, mask=valid, other=0.0)
                 d1, d2, xg = _token_terms(x, g, mean_ln, var_ln, first, var_it, centre[None, :],
                                           lam_m, kap_m, lam_v, kap_v, weight, eps)
                 d1, d2 = tl.where(mask, d1, 0.0), tl.where(mask, d2, 0.0)
@@ -375,8 +403,8 @@ def _cell_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, first_ptr, second_pt
             dm_second = tl.where(var_it > 0, -0.5 * tl.reshape(kap_v, [C_BLOCK]) * cell_d2, 0.0)
             dm_first = -tl.reshape(kap_m, [C_BLOCK]) * cell_d1 - 2.0 * first * dm_second
             cell = tl.reshape(cell, [C_BLOCK])
-            tl.store(dm_first_ptr + cell, dm_first, mask=cmask)
-            tl.store(dm_second_ptr + cell, dm_second, mask=cmask)
+            tl.store(_image(dm_first_ptr, b, sb) + cell, dm_first, mask=cmask)
+            tl.store(_image(dm_second_ptr, b, sb) + cell, dm_second, mask=cmask)
     _store_sums(partial_ptr, row * tl.num_programs(1) + block, C, s_xg, s_g, s_mu, s_var, s_mit,
                 s_vit, C_BLOCK)
 
@@ -387,27 +415,31 @@ def token_gradients(g, x, mean_ln, var_ln, first, second, centre, ratios, weight
     dm_first, dm_second = (grid.from_head_major(t) for t in dm.unbind(1))
     assert dm_first.stride() == first.stride(), 'dL/dm in the layout of m'
     reads = [g, x, mean_ln, var_ln, first, second, centre, ratios, weight]
-    C_BLOCK = _c_block(C)
+    spec = _gradients_spec(C, grid.pool)
     if not grid.pooled:
-        TILE = _tile(C)
-        TILES = max(1, TOKENS_PER_PROGRAM // TILE)
-        programs = (B, triton.cdiv(N, TILE * TILES))
+        programs = (B, triton.cdiv(N, _tile(C) * _tiles(C)))
         partial = x.new_empty(B * programs[1], 6, C, dtype=first.dtype)
         sb, si, sj, sh = first.stride()[:4]
         assert si == grid.W * sj, 'cell views without pooling: (H, W) contiguous'
-        _launch('triton.token_gradients', _token_gradients_kernel, programs, reads,
-                [dm, partial], _warps(C), g, x, mean_ln, var_ln, first, second, centre, ratios,
-                weight, dm_first, dm_second, partial, N, C, grid.d, sb, sj, sh, float(eps),
-                TILE=TILE, TILES=TILES, C_BLOCK=C_BLOCK)
+        _launch('triton.token_gradients', spec, programs, reads, [dm, partial], g, x, mean_ln,
+                var_ln, first, second, centre, ratios, weight, dm_first, dm_second, partial, N, C,
+                grid.d, sb, sj, sh, float(eps))
     else:
         programs = (B * grid.Hp, triton.cdiv(grid.Wp, CELLS_PER_PROGRAM))
         partial = x.new_empty(programs[0] * programs[1], 6, C, dtype=first.dtype)
-        _launch('triton.cell_gradients', _cell_gradients_kernel, programs, reads, [dm, partial],
-                _warps(C), g, x, mean_ln, var_ln, first, second, centre, ratios, weight,
-                dm_first, dm_second, partial, grid.H, grid.W, C, grid.pool, grid.d,
-                *first.stride()[:4], float(eps), CELLS=CELLS_PER_PROGRAM,
-                S_BLOCK=triton.next_power_of_2(grid.pool), C_BLOCK=C_BLOCK)
+        _launch('triton.cell_gradients', spec, programs, reads, [dm, partial], g, x, mean_ln,
+                var_ln, first, second, centre, ratios, weight, dm_first, dm_second, partial,
+                grid.H, grid.W, C, grid.pool, grid.d, *first.stride()[:4], float(eps))
     return partial.sum(0)
+
+
+def _gradients_spec(C, pool):
+    if pool == 1:
+        return (_token_gradients_kernel, dict(TILE=_tile(C), TILES=_tiles(C),
+                                              C_BLOCK=_c_block(C)), _warps(C))
+    return (_cell_gradients_kernel, dict(CELLS=CELLS_PER_PROGRAM,
+                                         S_BLOCK=triton.next_power_of_2(pool),
+                                         C_BLOCK=_c_block(C)), _warps(C))
 
 
 # ---------------------------------------------------------------------------- backward pass 2
@@ -423,17 +455,17 @@ def _input_gradient_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, first_ptr, second_pt
     b, i = row // H, row % H
     j = block * TILE + tl.arange(0, TILE)
     valid = j < W
-    tokens = b * H * W + i * W + j
-    x, mask = _load_tokens(x_ptr, tokens, valid, C, C_BLOCK)
-    g, _ = _load_tokens(g_ptr, tokens, valid, C, C_BLOCK)
+    tokens = i * W + j
+    x, mask = _load_tokens(_image(x_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
+    g, _ = _load_tokens(_image(g_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
     cols = tl.arange(0, C_BLOCK)
     ci, cj = i // pool, j // pool
-    first, var_it = _inter_token(first_ptr, second_ptr,
-                                 _cell_offsets(ci, cj, cols, d, sb, si, sj, sh, b), mask, RAW)
+    first, var_it = _inter_token(_image(first_ptr, b, sb), _image(second_ptr, b, sb),
+                                 _cell_offsets(ci, cj, cols, d, si, sj, sh), mask, RAW)
     centre = tl.load(centre_ptr + b * C + cols, mask=cols < C, other=0.0)[None, :]
     lam_m, kap_m, lam_v, kap_v, weight = _channel_rows(ratios_ptr, weight_ptr, C, C_BLOCK)
-    mean_ln = tl.load(mean_ptr + tokens, mask=valid, other=0.0)
-    var_ln = tl.load(var_ptr + tokens, mask=valid, other=0.0)
+    mean_ln = tl.load(_image(mean_ptr, b, H * W) + tokens, mask=valid, other=0.0)
+    var_ln = tl.load(_image(var_ptr, b, H * W) + tokens, mask=valid, other=0.0)
     d1, d2, _ = _token_terms(x, g, mean_ln, var_ln, first, var_it, centre, lam_m, kap_m, lam_v,
                              kap_v, weight, eps)
     d1, d2 = tl.where(mask, d1, 0.0), tl.where(mask, d2, 0.0)
@@ -443,12 +475,13 @@ def _input_gradient_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, first_ptr, second_pt
     rows = tl.minimum(H - ci * pool, pool)
     columns = tl.minimum(W - cj * pool, pool)
     inv_n = 1.0 / tl.maximum(rows * columns, 1).to(tl.float32)  # masked tokens: any n
-    cell = _cell_offsets(ci, cj, cols, d, tb, ti, tj, th, b)
-    dT = tl.load(d_first_ptr + cell, mask=mask, other=0.0)
+    cell = _cell_offsets(ci, cj, cols, d, ti, tj, th)
+    dT = tl.load(_image(d_first_ptr, b, tb) + cell, mask=mask, other=0.0)
     if SECOND:
-        dT += 2.0 * (x - centre) * tl.load(d_second_ptr + cell, mask=mask, other=0.0)
+        dT += 2.0 * (x - centre) * tl.load(_image(d_second_ptr, b, tb) + cell, mask=mask,
+                                           other=0.0)
     dx = d1 + x * beta[:, None] + alpha[:, None] + dT * inv_n[:, None]
-    tl.store(dx_ptr + tokens[:, None].to(tl.int64) * C + cols[None, :],
+    tl.store(_image(dx_ptr, b, H * W * C) + tokens[:, None] * C + cols[None, :],
              dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -458,13 +491,27 @@ def input_gradient(g, x, mean_ln, var_ln, first, second, centre, ratios, weight,
     None)."""
     B, N, C = x.shape
     dx = x.new_empty(x.shape)
-    TILE = _tile(C)
     second_view = d_first if d_second is None else d_second
     assert second_view.stride() == d_first.stride()
-    _launch('triton.input_gradient', _input_gradient_kernel, (B * grid.H, triton.cdiv(grid.W, TILE)),
+    _launch('triton.input_gradient', _input_gradient_spec(C, grid.pool, d_second is not None),
+            (B * grid.H, triton.cdiv(grid.W, _tile(C))),
             [g, x, mean_ln, var_ln, first, second, centre, ratios, weight, d_first, d_second],
-            [dx], _warps(C), g, x, mean_ln, var_ln, first, second, centre, ratios, weight,
-            d_first, second_view, dx, grid.H, grid.W, C, grid.pool, grid.d, *first.stride()[:4],
-            *d_first.stride()[:4], float(eps), float(n_var), RAW=not grid.pooled,
-            SECOND=d_second is not None, TILE=TILE, C_BLOCK=_c_block(C))
+            [dx], g, x, mean_ln, var_ln, first, second, centre, ratios, weight, d_first,
+            second_view, dx, grid.H, grid.W, C, grid.pool, grid.d, *first.stride()[:4],
+            *d_first.stride()[:4], float(eps), float(n_var))
     return dx
+
+
+def _input_gradient_spec(C, pool, second):
+    return (_input_gradient_kernel, dict(RAW=pool == 1, SECOND=second, TILE=_tile(C),
+                                         C_BLOCK=_c_block(C)), _warps(C))
+
+
+# ---------------------------------------------------------------------------- specialisations
+def specializations(C, pool, square_of_pooled=False):
+    """The compiled kernels one DTN layer of C channels and pooling ``pool`` launches, forward and
+    backward, as (kernel, constexprs, num_warps): what a GPU compiles for it (the tokens' dtype
+    aside). The image size is not part of it."""
+    second = pool == 1 or not square_of_pooled  # the second moment is not the first's square
+    return [_statistics_spec(C, pool), _output_spec(C, pool), _gradients_spec(C, pool),
+            _input_gradient_spec(C, pool, second)]

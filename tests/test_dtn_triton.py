@@ -1,0 +1,133 @@
+"""DynamicTokenNorm's Triton backend without a GPU: its kernels in Triton's interpreter on CPU
+tensors against the dense reference, their compilation for sm_90, and the choice of the backend
+for CUDA tensors."""
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from test_dynamic_token_norm import dense_dtn, randomize, tokens
+
+from mmdtn import DynamicTokenNorm, set_dtn_backend
+from mmdtn.models.layers.dtn.backends import select_backend
+from mmdtn.models.layers.dtn.backends import triton as triton_backend
+from mmdtn.models.layers.dtn.grid import TokenGrid
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.skipif(not triton_backend.interpreting(),
+                                reason='the interpreter tests need TRITON_INTERPRET=1 (conftest)')
+
+
+@pytest.fixture
+def triton_dtn(backend_setting):
+    set_dtn_backend('triton')
+
+
+def relative_errors(norm, x, hw, dtype=torch.float64):
+    """Largest errors of the output and of every gradient against the dense reference in float64,
+    relative to the largest reference value; x may have any dtype."""
+    x = x.detach().requires_grad_()
+    y = norm(x, hw)
+    g = torch.linspace(-1, 1, y.numel()).view_as(y)
+    grads = torch.autograd.grad((y.float() * g).sum(), [x, *norm.parameters()])
+    reference = DynamicTokenNorm(norm.num_features, norm.num_heads, norm.pool_size, norm.eps,
+                                 reference_compat=norm.reference_compat).double()
+    reference.load_state_dict(norm.state_dict())
+    xd = x.detach().double().requires_grad_()
+    ref = dense_dtn(xd, hw, reference)[0]
+    ref_grads = torch.autograd.grad((ref * g.double()).sum(), [xd, *reference.parameters()])
+    errors = [((y.double() - ref).abs().max() / ref.abs().max()).item()]
+    errors += [((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+               for a, b in zip(grads, ref_grads)]
+    assert y.dtype == x.dtype and grads[0].dtype == x.dtype
+    return errors
+
+
+@pytest.mark.parametrize('hw,pool,heads,C,B', [
+    ((5, 7), 1, 3, 12, 3), ((6, 9), 2, 4, 16, 1), ((9, 6), 4, 5, 20, 3), ((1, 1), 1, 1, 8, 1),
+    ((1, 9), 2, 3, 12, 1), ((7, 8), 4, 1, 4, 1), ((4, 4), 1, 4, 96, 1)])
+@pytest.mark.parametrize('reference_compat', [False, True])
+def test_equals_dense_reference_float32(triton_dtn, hw, pool, heads, C, B, reference_compat):
+    """Odd, non-square, 1 x 1 and 1 x N grids, pooling 1, 2, 4 with partial border cells, heads
+    1, 3, 4, 5, a channel count that is not a power of two (96), batch 1 and 3; forward and every
+    gradient to float32 rounding."""
+    norm = randomize(DynamicTokenNorm(C, heads, pool_size=pool, eps=1e-5,
+                                      reference_compat=reference_compat)).float()
+    x = tokens(B, *hw, C, torch.float32)
+    assert max(relative_errors(norm, x, hw)) < 1e-5
+
+
+@pytest.mark.parametrize('dtype,tol', [(torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize('pool', [1, 2])
+def test_half_precision_tokens_are_read_directly(triton_dtn, dtype, tol, pool):
+    """float16 and bfloat16 tokens go to the kernels as they are (statistics in float32); the
+    output and dx have the tokens' dtype and the accuracy of their resolution."""
+    norm = randomize(DynamicTokenNorm(32, 4, pool_size=pool)).float()
+    x = tokens(2, 6, 7, 32, torch.float32).to(dtype)
+    assert max(relative_errors(norm, x, (6, 7))) < tol
+
+
+def test_constant_and_large_tokens_stay_finite(triton_dtn):
+    norm = randomize(DynamicTokenNorm(16, 4, pool_size=2)).float()
+    x = torch.full((2, 24, 16), 3.0, requires_grad=True)
+    y = norm(x, (4, 6))
+    assert torch.allclose(y, norm.bias.expand_as(y), atol=1e-3)
+    y.sum().backward()
+    assert torch.isfinite(x.grad).all()
+    x = 1e4 * tokens(2, 4, 6, 16, torch.float64) + 3e4
+    y32 = norm(x.float(), (4, 6))
+    set_dtn_backend('torch')
+    y64 = norm.double()(x, (4, 6))
+    assert torch.isfinite(y32).all() and torch.allclose(y32.double(), y64, atol=1e-3)
+
+
+def test_compiles_with_torch_compile(triton_dtn):
+    torch._dynamo.reset()
+    norm = randomize(DynamicTokenNorm(16, 2, pool_size=2)).float()
+    compiled = torch.compile(norm, fullgraph=True, backend='aot_eager')
+    x = tokens(1, 5, 6, 16, torch.float32).requires_grad_()
+    y, ref = compiled(x, (5, 6)), norm(x, (5, 6))
+    assert torch.allclose(y, ref)
+    grads = torch.autograd.grad(y.sum(), [x, *norm.parameters()])
+    ref_grads = torch.autograd.grad(ref.sum(), [x, *norm.parameters()])
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, ref_grads))
+
+
+def test_auto_takes_triton_for_cuda_tensors_and_says_once_why_not(monkeypatch, backend_setting):
+    set_dtn_backend('auto')
+    grid = TokenGrid(2, 4, 4, 8, 2, 1)
+    with FakeTensorMode():  # CUDA tensors without a GPU
+        x = torch.empty(2, 16, 8, device='cuda')
+    assert select_backend(x, grid, torch.float32).name == 'triton'
+    assert select_backend(x, grid, torch.float64).name == 'torch'  # float64: not the kernels'
+    monkeypatch.setattr(triton_backend, '_MISSING', 'triton cannot be imported (test)')
+    with pytest.warns(UserWarning, match="'triton' backend cannot run.*cannot be imported"):
+        assert select_backend(x, grid, torch.float32).name == 'torch'
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')  # once
+        assert select_backend(x, grid, torch.float32).name == 'torch'
+
+
+def test_kernels_compile_for_sm90_without_spills():
+    """Every kernel specialisation PVT-Tiny, PVTv2-b0 and Swin-T use (float16 tokens, as under
+    mmdet's AmpOptimWrapper) compiles for sm_90 with Triton's own compiler, without a GPU, with
+    no spills and shared memory within the limit."""
+    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
+    out = subprocess.run([sys.executable, 'tools/analysis/compile_kernels.py', '--arch', '90',
+                          '--dtypes', 'float16', '--json'], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout)
+    kernels = {r['kernel'] for r in rows}
+    assert kernels == {'_token_statistics_kernel', '_cell_statistics_kernel', '_output_kernel',
+                       '_token_gradients_kernel', '_cell_gradients_kernel',
+                       '_input_gradient_kernel'}
+    for r in rows:
+        assert r['arch'] == 90 and set(r) >= {'kernel', 'registers', 'spills', 'shared_bytes'}
+        assert r['spills'] == 0 and r['shared_bytes'] <= 227 * 1024, r
+        assert 0 < r['registers'] <= 255

@@ -1,0 +1,174 @@
+"""Compile DynamicTokenNorm's Triton kernels ahead of time for NVIDIA GPUs, without a GPU, and
+report registers, spills and shared memory per kernel.
+
+Every kernel specialisation that the DTN layers of the given backbones launch (forward and
+backward; the tokens' dtypes given; both statistics conventions with ``--reference-compat``) is
+compiled by Triton's own compiler for each ``--arch`` (``triton.compile`` with a ``GPUTarget``,
+then NVIDIA's ``ptxas``, both shipped with triton). The resource use comes from the cubin
+(``cuobjdump --dump-resource-usage``) and ``ptxas``'s spill report. The image sizes (default
+800 x 1344 and mmseg's 512 x 512) are checked to add no specialisation: H and W are runtime
+arguments of every kernel.
+
+Usage::
+
+    python tools/analysis/compile_kernels.py --arch 80 90 [--models pvt_tiny pvtv2_b0 swin_t]
+        [--dtypes float16 bfloat16 float32] [--json]
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+from tqdm import tqdm
+
+if os.environ.get('TRITON_INTERPRET') == '1':
+    sys.exit('compile_kernels.py compiles for GPUs: unset TRITON_INTERPRET')
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import mmdtn  # noqa: E402,F401
+from mmdtn import DynamicTokenNorm  # noqa: E402
+from mmdtn.models.layers.dtn.backends.triton_kernels import (TOKEN_POINTERS,  # noqa: E402
+                                                             specializations)
+
+MODELS = {
+    'pvt_tiny': ('PyramidVisionTransformerDTN', dict(num_layers=[2, 2, 2, 2])),
+    'pvtv2_b0': ('PyramidVisionTransformerV2DTN', dict(embed_dims=32, num_layers=[2, 2, 2, 2])),
+    'swin_t': ('SwinTransformerDTN', dict()),
+}
+DTYPES = {'float16': 'fp16', 'bfloat16': 'bf16', 'float32': 'fp32'}
+FLOAT_ARGUMENTS = ('eps', 'n_var')
+#: Registers and shared memory per block of the targets (CUDA programming guide, compute
+#: capabilities 8.0 and 9.0).
+LIMITS = {80: dict(registers=255, shared_bytes=163 * 1024),
+          90: dict(registers=255, shared_bytes=227 * 1024)}
+
+
+def dtn_layers(model, sizes):
+    """{(C, pool, reference convention)} of the DTN layers of backbone ``model``; a forward pass on
+    meta tensors at every size records the grids they see (and checks that every size runs)."""
+    from mmdet.registry import MODELS as REGISTRY
+    from mmengine.registry import init_default_scope
+    init_default_scope('mmdet')
+    kind, kwargs = MODELS[model]
+    backbone = REGISTRY.build(dict(type=kind, **kwargs)).to('meta')
+    layers, grids = set(), set()
+
+    def record(module, args):
+        grids.add((module.num_features, tuple(int(v) for v in args[1])))
+
+    for m in backbone.modules():
+        if isinstance(m, DynamicTokenNorm):
+            layers.add((m.num_features, m.pool_size))
+            m.register_forward_pre_hook(record)
+    mmdtn.set_dtn_backend('triton')
+    with torch.no_grad():
+        for H, W in sizes:
+            backbone(torch.empty(1, 3, H, W, device='meta'))
+    return layers, grids
+
+
+def signature(kernel, constexprs, dtype):
+    """Triton's signature of ``kernel``: pointer and scalar types, 'constexpr' for constexprs."""
+    sig = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            sig[name] = 'constexpr'
+        elif name.endswith('_ptr'):
+            sig[name] = '*' + (DTYPES[dtype] if name in TOKEN_POINTERS else 'fp32')
+        else:
+            sig[name] = 'fp32' if name in FLOAT_ARGUMENTS else 'i32'
+    return sig
+
+
+def nvidia_tool(name):
+    return os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin', name)
+
+
+def resources(compiled, arch):
+    """Registers, spilled bytes and static shared memory of a compiled kernel."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, 'kernel.cubin')
+        ptx = os.path.join(tmp, 'kernel.ptx')
+        with open(cubin, 'wb') as f:
+            f.write(compiled.asm['cubin'])
+        with open(ptx, 'w') as f:
+            f.write(compiled.asm['ptx'])
+        usage = subprocess.run([nvidia_tool('cuobjdump'), '--dump-resource-usage', cubin],
+                               capture_output=True, text=True, check=True).stdout
+        gpu = f'sm_{arch}a' if arch >= 90 else f'sm_{arch}'
+        report = subprocess.run([nvidia_tool('ptxas'), '-v', f'--gpu-name={gpu}', ptx, '-o',
+                                 os.path.join(tmp, 'check.cubin')],
+                                capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r'REG:(\d+)', usage).group(1))
+    spills = sum(int(n) for n in re.findall(r'(\d+) bytes spill (?:stores|loads)', report))
+    shared = max(int(re.search(r'SHARED:(\d+)', usage).group(1)), compiled.metadata.shared)
+    return registers, spills, shared
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--arch', type=int, nargs='+', default=[80, 90],
+                        help='compute capabilities, e.g. 80 (A100) 90 (H100)')
+    parser.add_argument('--models', nargs='+', default=sorted(MODELS), choices=sorted(MODELS))
+    parser.add_argument('--dtypes', nargs='+', default=sorted(DTYPES), choices=sorted(DTYPES))
+    parser.add_argument('--sizes', nargs='+', default=['800x1344', '512x512'],
+                        help='image sizes HxW whose DTN grids are checked')
+    parser.add_argument('--reference-compat', action='store_true',
+                        help="also the authors' statistics convention")
+    parser.add_argument('--json', action='store_true', help='print a JSON list instead')
+    args = parser.parse_args()
+    sizes = [tuple(int(v) for v in s.split('x')) for s in args.sizes]
+
+    layers, grids = set(), {}
+    for model in args.models:
+        model_layers, model_grids = dtn_layers(model, sizes)
+        layers |= model_layers
+        grids[model] = sorted(model_grids)
+    conventions = [False, True] if args.reference_compat else [False]
+    jobs = {}
+    for C, pool in sorted(layers):
+        for square in conventions:
+            for kernel, constexprs, warps in specializations(C, pool, square):
+                for dtype in args.dtypes:
+                    key = (kernel.fn.__name__, tuple(sorted(constexprs.items())), warps, dtype)
+                    jobs[key] = (kernel, constexprs, warps, dtype)
+    rows = []
+    for arch in args.arch:
+        for (name, _, warps, dtype), (kernel, constexprs, _, _) in tqdm(
+                sorted(jobs.items()), desc=f'sm_{arch}', disable=args.json):
+            src = ASTSource(fn=kernel, signature=signature(kernel, constexprs, dtype),
+                            constexprs=constexprs)
+            compiled = triton.compile(src, target=GPUTarget('cuda', arch, 32),
+                                      options=dict(num_warps=warps))
+            registers, spills, shared = resources(compiled, arch)
+            rows.append(dict(kernel=name, arch=arch, dtype=dtype, num_warps=warps,
+                             constexprs=constexprs, registers=registers, spills=spills,
+                             shared_bytes=shared,
+                             within_limits=(spills == 0 and shared <= LIMITS[arch]['shared_bytes']
+                                            if arch in LIMITS else None)))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print(f'\nDTN layers (C, pool): {sorted(layers)}')
+    for model, model_grids in grids.items():
+        print(f'  {model} grids at {args.sizes}: {model_grids}')
+    head = (f"{'kernel':<34}{'arch':>5}{'dtype':>10}{'warps':>6}{'regs':>6}{'spills':>8}"
+            f"{'shared':>8}  constexprs")
+    print('\n' + head + '\n' + '-' * len(head))
+    for r in rows:
+        print(f"{r['kernel']:<34}{r['arch']:>5}{r['dtype']:>10}{r['num_warps']:>6}"
+              f"{r['registers']:>6}{r['spills']:>8}{r['shared_bytes']:>8}  {r['constexprs']}")
+    bad = [r for r in rows if r['within_limits'] is False]
+    print(f'\n{len(rows)} compilations, {len(jobs)} specialisations per arch; '
+          f'{len(bad)} with spills or over the shared-memory limit')
+
+
+if __name__ == '__main__':
+    main()
