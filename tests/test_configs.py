@@ -3,11 +3,15 @@
 DTN configs are checked against their LayerNorm twins: the merged configs are equal except for the
 backbone type, ``dtn_init`` and DTN's no-decay keys; the optimiser built from a DTN config gives
 DTN's gates and positional coefficients no weight decay and treats DTN's affine parameters as the
-twin treats its LayerNorms. Models are built, never run (pretrained weights are not downloaded).
+twin treats its LayerNorms. The ImageNet configs are mmpretrain's recipes but for the stated
+deviations, with the detection configs' backbones. Models are built, never run (pretrained weights
+are not downloaded).
 """
 import copy
 import functools
+import inspect
 import os.path as osp
+from importlib import import_module
 
 import pytest
 from mmengine.config import Config
@@ -33,6 +37,17 @@ ALIASES = {p: _alias_target(p) for p in ALL if _alias_target(p)}
 CONFIGS_PROPER = [p for p in ALL if p not in ALIASES]
 TOP = [p for p in CONFIGS_PROPER if osp.dirname(p) == CONFIGS]
 DTN = [p for p in TOP if '-dtn_' in osp.basename(p)]
+IMAGENET = [p for p in CONFIGS_PROPER if osp.dirname(p) == osp.join(CONFIGS, 'imagenet')]
+IMAGENET_DTN = [p for p in IMAGENET if '-dtn_' in osp.basename(p)]
+#: ImageNet config stem: (the detection config of the same backbone, mmpretrain's recipe).
+IMAGENET_STEMS = {
+    'pvt-t': ('retinanet_pvt-t', 'twins/twins-pcpvt-small_8xb128_in1k.py'),
+    'pvt-s': ('retinanet_pvt-s', 'twins/twins-pcpvt-small_8xb128_in1k.py'),
+    'pvtv2-b0': ('retinanet_pvtv2-b0', 'twins/twins-pcpvt-small_8xb128_in1k.py'),
+    'pvtv2-b1': ('retinanet_pvtv2-b1', 'twins/twins-pcpvt-small_8xb128_in1k.py'),
+    'pvtv2-b2': ('retinanet_pvtv2-b2', 'twins/twins-pcpvt-small_8xb128_in1k.py'),
+    'swin-t-p4-w7': ('retinanet_swin-t-p4-w7', 'swin_transformer/swin-tiny_16xb64_in1k.py'),
+}
 DET = ['retinanet_pvt-t', 'retinanet_pvt-s', 'mask-rcnn_pvt-t', 'mask-rcnn_pvt-s',
        'retinanet_swin-t-p4-w7', 'mask-rcnn_swin-t-p4-w7', 'retinanet_pvtv2-b0',
        'retinanet_pvtv2-b1', 'retinanet_pvtv2-b2']
@@ -66,11 +81,7 @@ def _name(path):
 
 def _models_registry(scope):
     init_default_scope(scope)
-    if scope == 'mmdet':
-        from mmdet.registry import MODELS
-    else:
-        from mmseg.registry import MODELS
-    return MODELS
+    return import_module(f'{scope}.registry').MODELS
 
 
 def test_expected_files_exist():
@@ -82,6 +93,8 @@ def test_expected_files_exist():
             assert f'{stem}-{norm}_8xb4-40k_ade20k-512x512.py' in names
         assert UPERNET.format(norm=norm) in names
     assert len(TOP) == 2 * (len(DET) + len(SEG) + 1)
+    assert {osp.basename(p) for p in IMAGENET} == {
+        f'{stem}-{norm}_8xb128_in1k.py' for stem in IMAGENET_STEMS for norm in ('dtn', 'ln')}
     assert set(ALIASES) == {osp.join(CONFIGS, n) for n in FORMER_NAMES}
 
 
@@ -102,7 +115,7 @@ def test_dtn_no_decay_keys_are_dtns_own_parameters():
 def test_config_parses_and_builds(path):
     cfg = _load(path)
     assert cfg.custom_imports == dict(imports=['mmdtn'], allow_failed_imports=False)
-    assert cfg.default_scope in ('mmdet', 'mmseg')
+    assert cfg.default_scope in ('mmdet', 'mmseg', 'mmpretrain')
     model_cfg = copy.deepcopy(cfg.model)
     model = _models_registry(cfg.default_scope).build(model_cfg)
     n_dtn = sum(type(m).__name__ == 'DynamicTokenNorm' for m in model.modules())
@@ -111,7 +124,7 @@ def test_config_parses_and_builds(path):
         assert n_dtn > 0
     elif '-ln_' in osp.basename(path):
         assert n_dtn == 0
-    if path in TOP:
+    if path in TOP or path in IMAGENET:
         # The optimiser builds on the model (paramwise keys and all).
         build_optim_wrapper(model, copy.deepcopy(cfg.optim_wrapper))
 
@@ -129,7 +142,7 @@ def _strip_dtn(cfg_dict):
     return d
 
 
-@pytest.mark.parametrize('path', DTN, ids=_name)
+@pytest.mark.parametrize('path', DTN + IMAGENET_DTN, ids=_name)
 def test_dtn_config_is_its_ln_twin_plus_dtn(path):
     twin = path.replace('-dtn_', '-ln_')
     assert osp.isfile(twin)
@@ -248,3 +261,100 @@ def test_dtn_parameters_weight_decay(stem):
     norm_affine = [n for n in shared if '.norm1.' in n or '.norm2.' in n]
     expected = 0 if 'swin' in stem else wd
     assert norm_affine and all(dtn[n] == expected for n in norm_affine)
+
+
+def _effective_backbone(backbone_cfg):
+    """A backbone config's arguments with the class defaults filled in, without the type's scope
+    and the arguments that do not shape the weights."""
+    d = _plain(backbone_cfg.to_dict() if hasattr(backbone_cfg, 'to_dict') else backbone_cfg)
+    cls = import_module('mmdet.registry').MODELS.get(d.pop('type').split('.')[-1])
+    defaults = {}  # a DTN backbone's own arguments, then those of the stock class it derives from
+    for klass in cls.__mro__:
+        for k, p in inspect.signature(klass.__init__).parameters.items():
+            if p.default is not inspect.Parameter.empty:
+                defaults.setdefault(k, p.default)
+    for key in ('init_cfg', 'pretrained', 'convert_weights', 'out_indices', 'with_cp'):
+        d.pop(key, None)
+        defaults.pop(key, None)
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in {**defaults, **d}.items()}
+
+
+@pytest.mark.parametrize('stem', IMAGENET_STEMS)
+def test_imagenet_backbone_is_the_detectors(stem):
+    """The classifier's backbone has the arguments of the detection configs' backbone (but the
+    returned stages), so that its weights load into the detectors one to one."""
+    det, _ = IMAGENET_STEMS[stem]
+    for norm in ('ln', 'dtn'):
+        cls_cfg = _load(osp.join(CONFIGS, 'imagenet', f'{stem}-{norm}_8xb128_in1k.py'))
+        det_cfg = _load(osp.join(CONFIGS, f'{det}-{norm}_fpn_1x_coco.py'))
+        assert cls_cfg.model.backbone.type.split('.')[-1] == det_cfg.model.backbone.type
+        assert _effective_backbone(cls_cfg.model.backbone) == \
+            _effective_backbone(det_cfg.model.backbone)
+        assert tuple(cls_cfg.model.backbone.out_indices) == (3, )
+
+
+@pytest.mark.parametrize('stem', IMAGENET_STEMS)
+def test_imagenet_recipe_is_mmpretrains_with_the_stated_deviations(stem):
+    """The PVT and Swin papers' recipe, as mmpretrain's configs have it: only the backbone, the
+    pooling neck, the batch split (8 x 128), PVT's drop-path rate and position-embedding decay
+    differ."""
+    _, recipe = IMAGENET_STEMS[stem]
+    stock = get_config(f'mmpretrain::{recipe}')
+    for norm in ('ln', 'dtn'):
+        cfg = _load(osp.join(CONFIGS, 'imagenet', f'{stem}-{norm}_8xb128_in1k.py'))
+        assert cfg.default_scope == 'mmpretrain'
+        for key in ('param_scheduler', 'train_cfg', 'val_dataloader', 'val_evaluator',
+                    'data_preprocessor', 'auto_scale_lr'):
+            assert _plain(cfg[key]) == _plain(stock[key]), key
+        assert _plain(cfg.train_dataloader.dataset) == _plain(stock.train_dataloader.dataset)
+        assert _plain(cfg.optim_wrapper.optimizer) == _plain(stock.optim_wrapper.optimizer)
+        assert cfg.optim_wrapper.clip_grad == dict(max_norm=5.0)
+        stock_model, model = _plain(stock.model), _plain(cfg.model)
+        for key in ('type', 'init_cfg', 'train_cfg'):
+            assert model[key] == stock_model[key], key
+        assert {k: v for k, v in model['head'].items() if k != 'in_channels'} == \
+            {k: v for k, v in stock_model['head'].items() if k != 'in_channels'}
+        assert model['neck'] == dict(type='StageGlobalAveragePooling')
+        # the recipe the configs promise, as numbers
+        opt = cfg.optim_wrapper.optimizer
+        assert opt.type == 'AdamW' and opt.weight_decay == 0.05
+        assert cfg.train_dataloader.batch_size == 128 and opt.lr == 5e-4 * 8 * 128 / 512
+        assert cfg.train_cfg.max_epochs == 300
+        warmup, cosine = cfg.param_scheduler
+        assert warmup.type == 'LinearLR' and cosine.type == 'CosineAnnealingLR'
+        assert warmup.end == (20 if 'swin' in stem else 5)
+        assert cfg.model.train_cfg.augments == [dict(type='Mixup', alpha=0.8),
+                                                dict(type='CutMix', alpha=1.0)]
+        assert cfg.model.head.loss.label_smooth_val == 0.1
+        steps = {t.type: t for t in cfg.train_dataloader.dataset.pipeline}
+        assert steps['RandAugment'].magnitude_level == 9
+        assert steps['RandomErasing'].erase_prob == 0.25
+        assert cfg.model.backbone.drop_path_rate == (0.2 if 'swin' in stem else 0.1)
+        assert _plain(cfg.val_evaluator) == dict(type='Accuracy', topk=[1, 5])
+        assert cfg.train_dataloader.dataset.data_root == 'data/imagenet'
+
+
+@pytest.mark.parametrize('stem', ['pvt-t', 'swin-t-p4-w7'])
+def test_imagenet_dtn_parameters_weight_decay(stem):
+    dtn, cfg = _decay_by_name(osp.join(CONFIGS, 'imagenet', f'{stem}-dtn_8xb128_in1k.py'))
+    ln, _ = _decay_by_name(osp.join(CONFIGS, 'imagenet', f'{stem}-ln_8xb128_in1k.py'))
+    dtn_only = [n for n in dtn if n.rsplit('.', 1)[-1] in DTN_KEYS]
+    assert dtn_only and all(dtn[n] == 0 for n in dtn_only)
+    shared = [n for n in dtn if n in ln]
+    assert len(shared) == len(ln) and {n: dtn[n] for n in shared} == ln
+    # norms, biases and position embeddings: no decay (mmpretrain's rule, PVT's pos_embed)
+    assert all(dtn[n] == 0 for n in shared if n.endswith(('bias', 'pos_embed')) or
+               '.norm' in n)
+    assert any(dtn[n] == cfg.optim_wrapper.optimizer.weight_decay for n in shared)
+
+
+def test_demo_classifier_backbone_is_the_demo_detectors():
+    classifier = _load(osp.join(CONFIGS, 'demo', 'classifier_pvt_tiny_dtn_shape_crops.py'))
+    for detector in ('mask_rcnn_pvt_tiny_dtn_shapes.py', 'retinanet_pvt_tiny_dtn_shapes.py'):
+        det = _load(osp.join(CONFIGS, 'demo', detector))
+        a, b = _effective_backbone(classifier.model.backbone), \
+            _effective_backbone(det.model.backbone)
+        # the crops' size: PVT's position embeddings are resampled when the detector loads them
+        assert a.pop('pretrain_img_size') == classifier.crop_size == 64
+        assert b.pop('pretrain_img_size') == 128
+        assert a == b

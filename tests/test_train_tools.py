@@ -2,9 +2,10 @@
 
 Each run is a subprocess of this interpreter on a tiny dataset made here: a few iterations of
 Mask R-CNN with PVT-Tiny-DTN followed by COCO bbox and segm evaluation, Semantic FPN with mIoU, a
-2-process gloo run through dist_train.sh (with distributed COCO validation), the slurm scripts
-through a stand-in srun, and RetinaNet PVT-Tiny-DTN killed mid-epoch, resumed, then evaluated with
-tools/test.py.
+2-process gloo run through dist_train.sh (with distributed COCO validation), an mmpretrain image
+classifier on PVT-Tiny-DTN trained by dist_train.sh and evaluated (top-1) by tools/test.py, the
+slurm scripts through a stand-in srun, and RetinaNet PVT-Tiny-DTN killed mid-epoch, resumed, then
+evaluated with tools/test.py.
 """
 import json
 import math
@@ -22,6 +23,7 @@ import torch.nn as nn
 from mmengine.config import Config
 
 import mmdtn  # noqa: F401
+from mmdtn.datasets import generate_shape_crops
 from mmdtn.engine import (CPUDistributedDataParallel, close_distributed, init_cpu_process_group,
                           setup_distributed)
 from tiny_datasets import (det_overrides, env_for_subprocess, make_coco, make_seg,
@@ -164,6 +166,40 @@ def test_dist_train_two_cpu_processes_gloo(tmp_path, coco_root):
     assert COCO_AP_LINE in out
     assert (work / 'epoch_1.pth').is_file()
     assert last_scalars(work)['iter'] == 2
+
+
+CLASSIFIER_OVERRIDES = """
+data_root = {root!r}
+train_dataloader = dict(batch_size=2, num_workers=0, persistent_workers=False,
+                        dataset=dict(data_root=data_root))
+val_dataloader = dict(batch_size=4, num_workers=0, dataset=dict(data_root=data_root))
+test_dataloader = val_dataloader
+train_cfg = dict(max_iters=2, val_interval=2)
+default_hooks = dict(logger=dict(interval=1), checkpoint=dict(interval=2))
+log_processor = dict(window_size=1)
+"""
+
+
+def test_classifier_dist_train_then_top1_with_test_tool(tmp_path):
+    """An mmpretrain ImageClassifier on PVT-Tiny-DTN (the demo's pretraining config, default_scope
+    mmpretrain): 2 iterations on 2 gloo processes through dist_train.sh, then tools/test.py
+    reports mmpretrain's top-1 accuracy and dumps the predictions."""
+    root = generate_shape_crops(tmp_path / 'crops', shapes=dict(num_train=4, num_val=2, seed=5),
+                                crop_size=32, progress=False)['root']
+    cfg = write_config(tmp_path / 'classifier.py', 'demo/classifier_pvt_tiny_dtn_shape_crops.py',
+                       CLASSIFIER_OVERRIDES.format(root=root))
+    work = tmp_path / 'work'
+    rc, out = run(['bash', osp.join(REPO, 'tools', 'dist_train.sh'), cfg, 2, '--work-dir', work],
+                  tmp_path, timeout=300, PYTHON=sys.executable, PORT=str(_free_port()))
+    assert_ok(rc, out)
+    assert 'Distributed training: True' in out and 'Iter(train) [2/2]' in out
+    assert re.search(r'Iter\(val\) .*accuracy/top1: [0-9.]+', out), out[-3000:]
+    rc, out = run([sys.executable, TEST, cfg, work / 'iter_2.pth', '--work-dir',
+                   tmp_path / 'test', '--out', tmp_path / 'preds.pkl'], tmp_path)
+    assert rc == 0, out[-4000:]
+    top1 = float(re.search(r'Iter\(test\) .*accuracy/top1: ([0-9.]+)', out).group(1))
+    assert 0 <= top1 <= 100
+    assert (tmp_path / 'preds.pkl').is_file()
 
 
 FAKE_SRUN = """#!{python}

@@ -9,15 +9,23 @@ Steps, all on CPU and with nothing to download:
 3. evaluate on the val split with mmdet's ``CocoMetric`` and print the COCO AP table;
 4. draw the predicted boxes and masks of a few val images with mmdet's ``DetLocalVisualizer``.
 
+With ``--pretrain``, the ImageNet-to-COCO route in small: the backbone is first pretrained as an
+mmpretrain image classifier on crops of other generated shapes
+(``configs/demo/classifier_pvt_tiny_dtn_shape_crops.py``, ``mmdtn.datasets.shape_crops``), then
+the detector is trained twice for the same iterations, from scratch and from that checkpoint
+(``init_cfg=dict(type='Pretrained', checkpoint=...)``), and the AP tables are printed together.
+
 Usage::
 
     python tools/demo.py                       # Mask R-CNN: bbox and segm AP
     python tools/demo.py --model retinanet     # RetinaNet: bbox AP
     python tools/demo.py --iters 100 --work-dir /tmp/demo   # a shorter run
+    python tools/demo.py --pretrain            # pretrained vs from scratch
 
 The metrics are also written to ``<work-dir>/metrics.json``.
 """
 import argparse
+import copy
 import json
 import os
 import os.path as osp
@@ -30,6 +38,7 @@ CONFIGS = {
     'mask_rcnn': osp.join(ROOT, 'configs', 'demo', 'mask_rcnn_pvt_tiny_dtn_shapes.py'),
     'retinanet': osp.join(ROOT, 'configs', 'demo', 'retinanet_pvt_tiny_dtn_shapes.py'),
 }
+CLASSIFIER_CONFIG = osp.join(ROOT, 'configs', 'demo', 'classifier_pvt_tiny_dtn_shape_crops.py')
 AP_KEYS = ('mAP', 'mAP_50', 'mAP_75', 'mAP_s', 'mAP_m', 'mAP_l')
 
 
@@ -48,6 +57,14 @@ def parse_args(argv=None):
     parser.add_argument('--num-vis', type=int, default=8, help='val images to draw predictions on')
     parser.add_argument('--score-thr', type=float, default=0.4,
                         help='score threshold of the drawings')
+    parser.add_argument('--pretrain', action='store_true',
+                        help='pretrain the backbone as a classifier on generated shape crops, '
+                        'then train the detector from it and from scratch and compare '
+                        '(default work dir: work_dirs/demo_<model>_pretrain)')
+    parser.add_argument('--pretrain-iters', type=int, default=None,
+                        help="classifier iterations (default: the classifier config's max_iters)")
+    parser.add_argument('--pretrain-data-root', default=osp.join(ROOT, 'data', 'shape_crops'),
+                        help='where the generated classification set is written or reused')
     return add_cfg_options(parser).parse_args(argv)
 
 
@@ -75,24 +92,44 @@ def build_config(args):
         cfg[evaluator].ann_file = osp.join(data_root, 'annotations', 'instances_val.json')
     if args.iters is not None:
         set_max_iters(cfg, args.iters)
+    name = f'demo_{args.model}' + ('_pretrain' if args.pretrain else '')
     cfg.work_dir = osp.abspath(set_work_dir(cfg, args.work_dir,
-                                            osp.join(ROOT, 'work_dirs', f'demo_{args.model}')))
+                                            osp.join(ROOT, 'work_dirs', name)))
     # the final evaluation is run once, by runner.test() below, not also at the end of training
     cfg.val_cfg = cfg.val_dataloader = cfg.val_evaluator = None
     return cfg
 
 
-def format_table(metrics):
-    """The COCO AP table (rows bbox / segm, columns AP, AP50, AP75, APs, APm, APl) as text."""
+def build_classifier_config(args, work_dir):
+    """The config of the backbone's pretraining, with the command-line settings applied."""
+    cfg = load_config(CLASSIFIER_CONFIG)
+    for loader in ('train_dataloader', 'val_dataloader', 'test_dataloader'):
+        cfg[loader].dataset.data_root = osp.abspath(args.pretrain_data_root)
+    if args.pretrain_iters is not None:
+        set_max_iters(cfg, args.pretrain_iters)
+    cfg.work_dir = work_dir
+    return cfg
+
+
+def format_table(results):
+    """The COCO AP table (rows bbox / segm, columns AP, AP50, AP75, APs, APm, APl) as text.
+
+    ``results``: the metrics of one run, or ``{run name: metrics}`` of runs shown together.
+    """
+    if not all(isinstance(v, dict) for v in results.values()):
+        results = {'': results}
     header = ['', 'AP', 'AP50', 'AP75', 'APs', 'APm', 'APl']
     rows = []
     for task in ('bbox', 'segm'):
-        if f'coco/{task}_mAP' in metrics:
-            values = [metrics[f'coco/{task}_{k}'] for k in AP_KEYS]  # -1: no object of that size
-            rows.append([task] + [f'{100 * v:.1f}' if v >= 0 else '-' for v in values])
+        for run, metrics in results.items():
+            if f'coco/{task}_mAP' in metrics:
+                values = [metrics[f'coco/{task}_{k}'] for k in AP_KEYS]  # -1: no such objects
+                rows.append([f'{task}, {run}' if run else task] +
+                            [f'{100 * v:.1f}' if v >= 0 else '-' for v in values])
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
     line = '+' + '+'.join('-' * (w + 2) for w in widths) + '+'
-    fmt = lambda r: '| ' + ' | '.join(c.rjust(w) for c, w in zip(r, widths)) + ' |'  # noqa: E731
+    fmt = lambda r: '| ' + ' | '.join(  # noqa: E731  (run names left, numbers right)
+        c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) + ' |'
     return '\n'.join([line, fmt(header), line, *map(fmt, rows), line])
 
 
@@ -179,48 +216,103 @@ def plot_losses(runner, out_file):
     return out_file
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    start = time.time()
-    import mmdtn  # noqa: F401  (registers mmdtn's modules; the configs also import it)
-    from mmdtn.datasets import check_datasets, generate_shapes_dataset
+def train(cfg):
+    """Build mmengine's Runner from ``cfg`` (as tools/train.py does) and train; returns it."""
     from mmengine.runner import Runner
 
-    cfg = build_config(args)
-    print(f'[1/4] synthetic shapes dataset in {args.data_root}', flush=True)
-    generate_shapes_dataset(args.data_root, **cfg.shapes_spec)
-    check_datasets(cfg, ['train', 'test'])  # as tools/train.py and tools/test.py do
-    print(f'[2/4] training {args.model} with PVT-Tiny-DTN from scratch for '
-          f'{cfg.train_cfg.max_iters} iterations (logs in {cfg.work_dir})', flush=True)
     runner = Runner.from_cfg(cfg)
     # one line per DTN gate and positional coefficient (no weight decay) would flood the console
     runner.logger.addFilter(
         lambda record: not str(record.msg).startswith('paramwise_options -- '))
     runner.train()
-    loss_png = plot_losses(runner, osp.join(cfg.work_dir, 'losses.png'))
-    print('[3/4] COCO evaluation on the val split', flush=True)
-    metrics = runner.test()
-    print(f'[4/4] drawing predictions of {args.num_vis} val images', flush=True)
+    return runner
+
+
+def pretrain_backbone(args, work_dir):
+    """Pretrain the demo backbone as an image classifier on generated shape crops.
+
+    Returns the classifier's ``checkpoint``, its training ``iters`` and its ``top1`` accuracy (%)
+    on the crops' val split.
+    """
+    from mmdtn.datasets import check_datasets, generate_shape_crops
+
+    cfg = build_classifier_config(args, work_dir)
+    generate_shape_crops(args.pretrain_data_root, **cfg.shape_crops_spec)
+    check_datasets(cfg, ['train', 'val'])
+    runner = train(cfg)
+    iters = cfg.train_cfg.max_iters
+    return dict(checkpoint=osp.join(cfg.work_dir, f'iter_{iters}.pth'), iters=iters,
+                top1=float(runner.message_hub.get_scalar('val/accuracy/top1').current()))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    start = time.time()
+    import mmdtn  # noqa: F401  (registers mmdtn's modules; the configs also import it)
+    from mmdtn.datasets import check_datasets, generate_shapes_dataset
+
+    cfg = build_config(args)
+    iters, work_dir = cfg.train_cfg.max_iters, cfg.work_dir
+    runs, minutes = {'from scratch': cfg}, {}
+    steps = 4 + 3 * args.pretrain  # data, (pretraining), training and evaluation per run, drawing
+    print(f'[1/{steps}] synthetic shapes dataset in {args.data_root}', flush=True)
+    generate_shapes_dataset(args.data_root, **cfg.shapes_spec)
+    check_datasets(cfg, ['train', 'test'])  # as tools/train.py and tools/test.py do
+    if args.pretrain:
+        print(f'[2/{steps}] pretraining the PVT-Tiny-DTN backbone as an image classifier on '
+              f'shape crops in {args.pretrain_data_root}', flush=True)
+        phase_start = time.time()
+        classifier = pretrain_backbone(args, osp.join(work_dir, 'classifier'))
+        minutes['pretraining'] = (time.time() - phase_start) / 60
+        pretrained = copy.deepcopy(cfg)
+        pretrained.model.backbone.init_cfg = dict(type='Pretrained',
+                                                  checkpoint=classifier['checkpoint'])
+        runs = {'from scratch': cfg, 'pretrained': pretrained}
+        for name, run_cfg in runs.items():
+            run_cfg.work_dir = osp.join(work_dir, name.replace(' ', '_'))
+    results, step = {}, 2 + args.pretrain
+    for name, run_cfg in runs.items():
+        print(f'[{step}/{steps}] training {args.model} with PVT-Tiny-DTN {name} for {iters} '
+              f'iterations (logs in {run_cfg.work_dir})', flush=True)
+        phase_start = time.time()
+        runner = train(run_cfg)
+        loss_png = plot_losses(runner, osp.join(run_cfg.work_dir, 'losses.png'))
+        print(f'[{step + 1}/{steps}] COCO evaluation on the val split', flush=True)
+        metrics = runner.test()
+        results[name] = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        minutes[name] = (time.time() - phase_start) / 60
+        step += 2
+    print(f'[{steps}/{steps}] drawing predictions of {args.num_vis} val images', flush=True)
     vis_dir = None
     if args.num_vis > 0:
-        vis_dir = draw_predictions(runner, cfg, args.num_vis, args.score_thr)
+        vis_dir = draw_predictions(runner, run_cfg, args.num_vis, args.score_thr)
     elapsed = time.time() - start
-    metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
-    with open(osp.join(cfg.work_dir, 'metrics.json'), 'w') as f:
-        json.dump(dict(model=args.model, iters=cfg.train_cfg.max_iters, seconds=round(elapsed, 1),
-                       metrics=metrics), f, indent=1)
-    print(f'\nCOCO AP (%) of {args.model} PVT-Tiny-DTN on synthetic shapes val, '
-          f'{cfg.train_cfg.max_iters} iterations from scratch:')
-    if metrics:
-        print(format_table(metrics))
+    record = dict(model=args.model, iters=iters, seconds=round(elapsed, 1))
+    if args.pretrain:
+        record.update(pretrain_iters=classifier['iters'], pretrain_top1=classifier['top1'],
+                      runs=results, minutes={k: round(v, 2) for k, v in minutes.items()})
+    else:
+        record.update(metrics=results['from scratch'])
+    with open(osp.join(work_dir, 'metrics.json'), 'w') as f:
+        json.dump(record, f, indent=1)
+    if args.pretrain:
+        print(f'\nbackbone pretrained as a classifier for {classifier["iters"]} iterations: '
+              f'top-1 {classifier["top1"]:.1f}% on the shape crops val split')
+    print(f'\nCOCO AP (%) of {args.model} PVT-Tiny-DTN on synthetic shapes val, {iters} '
+          f'iterations {" and ".join(runs)}:')
+    if all(results.values()):
+        print(format_table(results))
     else:  # CocoMetric found no detection above the model's test score threshold
-        print('no detections: the model is not trained enough (try more --iters)')
-    print(f'total time {elapsed / 60:.1f} min; work dir {cfg.work_dir}')
+        print(f'no detections in {[k for k, v in results.items() if not v]}: the model is not '
+              'trained enough (try more --iters)')
+    print(f'total time {elapsed / 60:.1f} min' +
+          (' (' + ', '.join(f'{k} {v:.1f}' for k, v in minutes.items()) + ')'
+           if args.pretrain else '') + f'; work dir {work_dir}')
     if vis_dir:
         print(f'predictions drawn in {vis_dir}')
     if loss_png:
         print(f'loss curves plotted in {loss_png}')
-    return metrics
+    return results if args.pretrain else results['from scratch']
 
 
 if __name__ == '__main__':
