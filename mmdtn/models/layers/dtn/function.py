@@ -27,8 +27,10 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 from ..reference_compat import StatisticsConvention
+from .flops import dtn_flops
 from .grid import TokenGrid
 
 __all__ = ['no_autocast', 'TokenStatistics', 'Saved', 'Gradients', 'dtn_forward', 'dtn_backward',
@@ -349,6 +351,12 @@ def define_custom_ops(backend, name):
         return (*result, *([None] * len(ctx.options)))
 
     forward.register_autograd(differentiate, setup_context=setup_context)
+
+    @register_flop_formula(getattr(torch.ops.mmdtn, f'dtn_{name}_forward'))
+    def flops(x_shape, *args, out_shape=None, **kwargs):
+        """The layer's FLOPs for ``torch.utils.flop_counter`` (2 per multiply-add)."""
+        H, W, pool, heads = args[5:9]
+        return 2 * dtn_flops(x_shape[0], x_shape[2], heads, (H, W), pool)
 
     def apply(x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
         return forward(x, p_y, p_x, ratios, weight, bias, grid.H, grid.W, grid.pool, grid.heads,
