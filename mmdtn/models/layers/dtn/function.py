@@ -205,7 +205,7 @@ def positional_products(T, factor_y, factor_x, grid):
     Hp, Wp, d = grid.Hp, grid.Wp, grid.d
     m = factor_y.matmul(u.view(-1, Hp, Wp * d)).view(u.shape)
     if grid.pooled:  # in place: m is this function's own tensor
-        first, second = m.unbind(1)
+        first, second = m.select(1, 0), m.select(1, 1)  # single views: in-place is traceable
         second.addcmul_(first, first, value=-1).clamp_min_(0)
     return u, m
 
