@@ -24,6 +24,9 @@ def _installed(name):
 
 #: Whether the OpenMMLab stack is installed (then the backbones, tools and registration load).
 WITH_OPENMMLAB = all(_installed(name) for name in ('mmengine', 'mmcv', 'mmdet', 'mmseg'))
+#: Whether mmpretrain is installed too (then the backbones also register in its scope and image
+#: classifiers can use them; defined before ``registry`` imports it).
+WITH_MMPRETRAIN = WITH_OPENMMLAB and _installed('mmpretrain')
 
 if WITH_OPENMMLAB:
     from . import checkpoint, registry  # noqa: F401  (safe checkpoint loading; registries)
@@ -31,3 +34,5 @@ if WITH_OPENMMLAB:
     from .models.backbones import *  # noqa: F401,F403
     from .models.backbones import __all__ as _backbones_all
     __all__ += _backbones_all
+if WITH_MMPRETRAIN:
+    from .models.necks import StageGlobalAveragePooling  # noqa: F401  (mmpretrain classifiers)

@@ -260,13 +260,14 @@ fi
 step "checking the installation"
 "$VENV/bin/python" - <<'PY' || die "the installed stack does not import"
 import pkg_resources  # noqa: F401  (mmengine and mmcv need it: setuptools < 81)
-import mmcv, mmdet, mmengine, mmseg, timm, torch
+import mmcv, mmdet, mmengine, mmpretrain, mmseg, timm, torch
 import os
 import mmdtn
 from mmdtn import available_backends
 if 'cpu' not in available_backends('cpu') and os.environ.get('MMDTN_WITH_OPS') != '0':
     raise SystemExit("mmdtn's CPU kernels did not build; MMDTN_WITH_OPS=0 installs without them")
 print(f'mmdtn {mmdtn.__version__}: torch {torch.__version__}, mmcv {mmcv.__version__}, mmengine {mmengine.__version__}, '
-      f'mmdet {mmdet.__version__}, mmseg {mmseg.__version__}, timm {timm.__version__}')
+      f'mmdet {mmdet.__version__}, mmseg {mmseg.__version__}, mmpretrain {mmpretrain.__version__}, '
+      f'timm {timm.__version__}')
 PY
 echo "ready: activate with 'source .venv/bin/activate'"

@@ -1,14 +1,18 @@
-"""Evaluate a checkpoint with the config's test evaluator: detection (mmdet), segmentation (mmseg).
+"""Evaluate a checkpoint with the config's test evaluator: detection (mmdet), segmentation (mmseg),
+image classification (mmpretrain).
 
     python tools/test.py configs/retinanet_pvt-t-dtn_fpn_1x_coco.py CHECKPOINT [--work-dir DIR]
         [--out FILE_OR_DIR] [--show] [--show-dir DIR] [--cfg-options KEY=VALUE ...]
         [--launcher none|pytorch|slurm] [--tta]
 
 The config's evaluator prints the standard tables: COCO bbox / segm AP from mmdet's CocoMetric,
-per-class IoU / Acc and mIoU from mmseg's IoUMetric. ``--out``: detection predictions are dumped to
-a .pkl file (mmdet's DumpDetResults); segmentation predictions are written as PNG label maps into
-that directory (IoUMetric's output_dir). ``--show-dir``: painted predictions (detection: under
-work_dir/<timestamp>/, as mmdet; segmentation: under that directory's vis_data/vis_image/).
+per-class IoU / Acc and mIoU from mmseg's IoUMetric, top-1 / top-5 accuracy from mmpretrain's
+Accuracy. ``--out``: detection predictions are dumped to a .pkl file (mmdet's DumpDetResults),
+classification predictions too (mmengine's DumpResults, as mmpretrain's tool); segmentation
+predictions are written as PNG label maps into that directory (IoUMetric's output_dir).
+``--show-dir``: painted predictions (detection: under work_dir/<timestamp>/, as mmdet;
+segmentation: under that directory's vis_data/vis_image/; classification: in that directory, by
+mmpretrain's VisualizationHook). ``--tta`` is for detection and segmentation.
 """
 import os.path as osp
 import warnings
@@ -22,13 +26,14 @@ from mmdtn.engine.runner import build_runner, run
 
 
 def parse_test_args(argv=None):
-    parser = tool_parser('Test (and evaluate) a detector (mmdet) or segmentor (mmseg)',
+    parser = tool_parser('Test (and evaluate) a detector (mmdet), segmentor (mmseg) or image '
+                         'classifier (mmpretrain)',
                          'test config file path', 'the directory to save the evaluation metrics')
     parser.add_argument('checkpoint', help='checkpoint file')
     parser.add_argument(
         '--out', type=str,
-        help='detection: dump predictions to this .pkl file; segmentation: write predicted '
-        'label maps into this directory')
+        help='detection, classification: dump predictions to this .pkl file; segmentation: '
+        'write predicted label maps into this directory')
     parser.add_argument('--show', action='store_true', help='show prediction results')
     parser.add_argument('--show-dir', help='directory where painted images will be saved')
     parser.add_argument('--wait-time', type=float, default=2, help='the interval of show (s)')
@@ -78,6 +83,24 @@ def _det_tta(cfg):
     return cfg
 
 
+def _cls_options(cfg, args):
+    """mmpretrain's --show/--show-dir (its VisualizationHook, every image) and --out check."""
+    if args.tta:
+        fail('--tta: test-time augmentation is offered for detection and segmentation configs')
+    if args.out is not None and not args.out.endswith(('.pkl', '.pickle')):
+        fail(f'--out must be a .pkl file for classification (got {args.out!r})')
+    if args.show or args.show_dir:
+        hook = cfg.default_hooks.get('visualization')
+        if hook is None:
+            fail('--show/--show-dir need default_hooks.visualization (VisualizationHook)')
+        hook.update(enable=True, interval=1)
+        if args.show:
+            hook.update(show=True, wait_time=args.wait_time)
+        if args.show_dir:
+            hook['out_dir'] = args.show_dir
+    return cfg
+
+
 def main(argv=None):
     args = parse_test_args(argv)
     cfg = config_of(args)
@@ -94,6 +117,8 @@ def main(argv=None):
             cfg = _det_tta(cfg)
         if args.out is not None and not args.out.endswith(('.pkl', '.pickle')):
             fail(f'--out must be a .pkl file for detection (got {args.out!r})')
+    elif scope == 'mmpretrain':
+        cfg = _cls_options(cfg, args)
     else:
         if args.show or args.show_dir:
             cfg = _seg_visualization(cfg, args)
@@ -109,6 +134,9 @@ def main(argv=None):
     if scope == 'mmdet' and args.out is not None:
         from mmdet.evaluation import DumpDetResults
         runner.test_evaluator.metrics.append(DumpDetResults(out_file_path=args.out))
+    elif scope == 'mmpretrain' and args.out is not None:
+        from mmengine.evaluator import DumpResults
+        runner.test_evaluator.metrics.append(DumpResults(out_file_path=args.out))
     run(runner, 'test')
 
 

@@ -1,4 +1,5 @@
-"""Train a detector (mmdet) or a segmentor (mmseg) from a config; its default_scope decides which.
+"""Train a detector (mmdet), a segmentor (mmseg) or an image classifier (mmpretrain) from a config;
+its default_scope decides which.
 
     python tools/train.py configs/retinanet_pvt-t-dtn_fpn_1x_coco.py [--work-dir DIR]
         [--resume [CKPT]] [--amp] [--auto-scale-lr] [--cfg-options KEY=VALUE ...]
@@ -20,7 +21,8 @@ from mmdtn.engine.runner import build_runner, run
 
 
 def parse_train_args(argv=None):
-    parser = tool_parser('Train a detector (mmdet) or segmentor (mmseg) with mmdtn backbones',
+    parser = tool_parser('Train a detector (mmdet), segmentor (mmseg) or image classifier '
+                         '(mmpretrain) with mmdtn backbones',
                          'train config file path', 'the dir to save logs and models')
     parser.add_argument(
         '--resume', nargs='?', type=str, const='auto',

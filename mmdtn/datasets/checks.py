@@ -10,7 +10,9 @@ runs before the Runner is built (``tools/train.py`` and ``tools/test.py`` call i
   path and the layout the config expects (e.g. ``data/coco/annotations/instances_train2017.json``
   and ``data/coco/train2017/``);
 - :class:`DatasetFormatError` (a ``ValueError``) when an annotation file is not valid JSON, is
-  truncated, lacks COCO's fields, or does not contain the classes the config trains on.
+  truncated, lacks COCO's fields, or does not contain the classes the config trains on, or when an
+  image classification folder (mmpretrain's ImageNet layout) has another number of class folders
+  than the config has classes.
 
 Images without annotations and crowd (RLE) annotations are valid COCO and pass; mmdet handles them
 (the former are skipped in training by ``filter_empty_gt``, the latter become ignored instances).
@@ -34,6 +36,11 @@ _DOWNLOAD_HINTS = {
     'ADE20KDataset': ('ADE20K (SceneParsing, ADEChallengeData2016.zip) is at '
                       'http://data.csail.mit.edu/places/ADEchallenge/ADEChallengeData2016.zip; '
                       'unzip it under data/ade/.'),
+    'ImageNet': ('ImageNet-1k (ILSVRC 2012: ILSVRC2012_img_train.tar, ILSVRC2012_img_val.tar) is '
+                 'at https://image-net.org/download-images.php (sign-in required). mmpretrain '
+                 'reads train/ and val/ with one folder per class (n01440764/ ...; the val '
+                 'images sorted into class folders too), or flat folders with '
+                 "meta/train.txt and meta/val.txt listing '<image path> <class index>' per line."),
 }
 _MAX_LISTED = 5  # missing files named in a message
 
@@ -88,6 +95,8 @@ def _dataset_class(type_name, scope: Optional[str]):
         from mmdet.registry import DATASETS as registry
     elif scope == 'mmseg':
         from mmseg.registry import DATASETS as registry
+    elif scope == 'mmpretrain':
+        from mmpretrain.registry import DATASETS as registry
     try:
         with DefaultScope.overwrite_default_scope(scope):
             return registry.get(type_name)
@@ -115,6 +124,22 @@ def _is_seg_dataset(cls) -> bool:
     return inspect.isclass(cls) and issubclass(cls, BaseSegDataset)
 
 
+def _is_cls_dataset(cls) -> bool:
+    """An mmpretrain folder dataset (``CustomDataset``: ImageNet and the like)."""
+    try:
+        from mmpretrain.datasets import CustomDataset
+    except ImportError:
+        return False
+    return inspect.isclass(cls) and issubclass(cls, CustomDataset)
+
+
+def _data_prefix(ds: dict) -> dict:
+    """``data_prefix`` as a dict: mmpretrain's datasets also take a string, and its ImageNet
+    defaults to the ``split`` folder."""
+    prefix = ds.get('data_prefix') or ds.get('split') or {}
+    return {'img_path': prefix} if isinstance(prefix, str) else prefix
+
+
 def _layout_lines(cfg, data_root: Optional[str]) -> List[str]:
     """The files and folders every phase of ``cfg`` expects under ``data_root``."""
     entries: Dict[str, Tuple[str, List[str]]] = {}
@@ -131,7 +156,7 @@ def _layout_lines(cfg, data_root: Optional[str]) -> List[str]:
             ann = _join(data_root, ds.get('ann_file') or None)
             if ann:
                 add(ann, 'annotations', phase)
-            for key, value in (ds.get('data_prefix') or {}).items():
+            for key, value in _data_prefix(ds).items():
                 if isinstance(value, str):
                     what = {'img': 'images', 'img_path': 'images',
                             'seg_map_path': 'label maps', 'seg': 'label maps'}.get(key, key)
@@ -299,13 +324,42 @@ def _check_seg_dataset(ds: dict, cls, cfg) -> None:
                         len(stems), seg_dir, source)
 
 
+def _check_cls_dataset(ds: dict, cls, cfg) -> None:
+    """An mmpretrain folder dataset: the image folder, and either the annotation list (given, or
+    ImageNet's ``meta/<split>.txt``) or one folder per class of the config."""
+    root = ds.get('data_root')
+    img_dir = _join(root, _data_prefix(ds).get('img_path', '')) or '.'
+    if not osp.isdir(img_dir):
+        raise _not_found('image folder', img_dir, cfg, ds)
+    ann_file = _join(root, ds.get('ann_file') or None)
+    split_list = _join(root, osp.join('meta', f'{ds["split"]}.txt')) if ds.get('split') else None
+    if ann_file is None and split_list and osp.isfile(split_list):
+        ann_file = split_list  # ImageNet's flat layout
+    if ann_file is not None:
+        if not osp.isfile(ann_file):
+            raise _not_found('annotation file', ann_file, cfg, ds)
+        return
+    if not ds.get('with_label', True) or ds.get('split') == 'test':
+        return
+    folders = [d for d in os.listdir(img_dir) if osp.isdir(osp.join(img_dir, d))]
+    classes = (ds.get('metainfo') or {}).get('classes') or \
+        (getattr(cls, 'METAINFO', None) or {}).get('classes')
+    if not folders or (classes and len(folders) != len(classes)):
+        expected = f'{len(classes)} (one per class)' if classes else 'one per class'
+        raise DatasetFormatError(
+            f'{osp.join(img_dir, "")} holds {len(folders)} class folders, expected {expected}'
+            + (f'; or list the images in {split_list}' if split_list else '') + '.'
+            + (f' {_DOWNLOAD_HINTS[cls.__name__]}' if cls.__name__ in _DOWNLOAD_HINTS else ''))
+
+
 def check_dataset_cfg(ds: dict, cfg=None, scope: Optional[str] = None,
                       cache: Optional[Dict[str, dict]] = None) -> None:
     """Check one dataset config (``type``, ``data_root``, ``ann_file``, ``data_prefix``).
 
     COCO-format datasets (a ``.json`` ``ann_file``): the file, its fields and classes, the image
     folder and every listed image. mmseg datasets: the image and label-map folders and a label map
-    for every image. Other datasets: the data root, annotation file and folders exist.
+    for every image. mmpretrain folder datasets (ImageNet): the image folder and its annotation
+    list or class folders. Other datasets: the data root, annotation file and folders exist.
     ``cfg`` (the whole config) is used to describe the expected layout in messages.
     """
     if _is_remote(ds.get('data_root') or '', ds.get('backend_args')):
@@ -318,13 +372,15 @@ def check_dataset_cfg(ds: dict, cfg=None, scope: Optional[str] = None,
     ann_file = ds.get('ann_file') or ''
     if _is_seg_dataset(cls):
         _check_seg_dataset(ds, cls, cfg)
+    elif _is_cls_dataset(cls):
+        _check_cls_dataset(ds, cls, cfg)
     elif isinstance(ann_file, str) and ann_file.endswith('.json'):
         _check_coco_dataset(ds, cls, cfg, cache if cache is not None else {})
     else:
         path = _join(root, ann_file or None)
         if path and not osp.exists(path):
             raise _not_found('annotation file', path, cfg, ds)
-        for value in (ds.get('data_prefix') or {}).values():
+        for value in _data_prefix(ds).values():
             folder = _join(root, value) if isinstance(value, str) else None
             if folder and not osp.isdir(folder):
                 raise _not_found('data folder', folder, cfg, ds)

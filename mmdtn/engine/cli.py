@@ -1,8 +1,9 @@
 """The command line shared by ``tools/train.py``, ``tools/test.py`` and ``tools/demo.py``.
 
-The arguments and rules of mmdet's and mmseg's own tools: a config file with ``--cfg-options``
-merged into it, the work directory (command line > config > ``work_dirs/<config name>``), the
-launcher and the local rank that ``torch.distributed.launch`` passes.
+The arguments and rules of mmdet's, mmseg's and mmpretrain's own tools: a config file with
+``--cfg-options`` merged into it, the work directory (command line > config >
+``work_dirs/<config name>``), the launcher and the local rank that ``torch.distributed.launch``
+passes.
 """
 import argparse
 import os
@@ -14,7 +15,7 @@ from mmengine.config import Config, DictAction
 __all__ = ['fail', 'tool_parser', 'add_cfg_options', 'parse_args', 'load_config', 'set_work_dir',
            'config_of']
 
-SCOPES = ('mmdet', 'mmseg')
+SCOPES = ('mmdet', 'mmseg', 'mmpretrain')
 
 
 def fail(message: str) -> None:
@@ -80,13 +81,13 @@ def set_work_dir(cfg: Config, work_dir=None, default=None) -> str:
 
 def config_of(args: argparse.Namespace) -> Config:
     """The config of a :func:`tool_parser` command line, with ``--cfg-options`` merged and the
-    work directory set; a missing file or a config of neither mmdet nor mmseg stops the tool."""
+    work directory set; a missing file or a config of none of :data:`SCOPES` stops the tool."""
     try:
         cfg = load_config(args.config, args.cfg_options)
     except FileNotFoundError as e:
         fail(str(e))
     if cfg.get('default_scope') not in SCOPES:
-        fail(f"{args.config}: default_scope must be 'mmdet' or 'mmseg' "
+        fail(f"{args.config}: default_scope must be one of {', '.join(map(repr, SCOPES))} "
              f"(got {cfg.get('default_scope')!r})")
     set_work_dir(cfg, args.work_dir)
     return cfg

@@ -9,11 +9,15 @@ __all__ = ['build_runner', 'run']
 
 
 def _runners(scope):
-    """The ``RUNNERS`` registry of mmdet or mmseg (mmdet's tools also set dynamo's cache limit)."""
+    """The ``RUNNERS`` registry of mmdet, mmseg or mmpretrain (mmdet's tools also set dynamo's
+    cache limit)."""
     if scope == 'mmdet':
         from mmdet.registry import RUNNERS
         from mmdet.utils import setup_cache_size_limit_of_dynamo
         setup_cache_size_limit_of_dynamo()
+        return RUNNERS
+    if scope == 'mmpretrain':
+        from mmpretrain.registry import RUNNERS
         return RUNNERS
     from mmseg.registry import RUNNERS
     return RUNNERS
@@ -23,7 +27,7 @@ def build_runner(cfg, launcher, phases):
     """Check the datasets of ``phases``, prepare a multi-process launch, and build the Runner.
 
     Args:
-        cfg (Config): the full config (``default_scope`` 'mmdet' or 'mmseg').
+        cfg (Config): the full config (``default_scope`` 'mmdet', 'mmseg' or 'mmpretrain').
         launcher (str): ``'none'``, ``'pytorch'``, ``'slurm'`` or ``'mpi'``.
         phases (list[str]): dataset phases to check before anything is built (``'train'``,
             ``'val'``, ``'test'``).

@@ -8,7 +8,9 @@ Accepted checkpoints (``init_cfg=dict(type='Pretrained', checkpoint=..., prefix=
   release's names -> mmdet's), those of mmdtn's timm DTN models (``pvt_v2_b0_dtn``, ...) included:
   their DTN parameters keep their names under the block norms and load one to one;
 - mmdet-format weights (a backbone's ``state_dict()``, or a detector / classifier checkpoint whose
-  backbone keys start with ``backbone.``, or with ``prefix``).
+  backbone keys start with ``backbone.``, or with ``prefix``), such as an mmpretrain image
+  classifier trained on a DTN backbone (``configs/imagenet/``): taken as they are whatever
+  ``convert_weights`` says, and the keys outside the backbone (the classifier's head) are reported.
 
 DTN layers saved by the authors' reference code (``mean_norm_weight``, ``var_norm_weight``,
 ``pos_proj.weight``) are converted with :func:`convert_reference_state_dict`; a backbone built with
@@ -17,10 +19,13 @@ DTN layers saved by the authors' reference code (``mean_norm_weight``, ``var_nor
 The block LayerNorms' ``weight``/``bias`` load into DTN's ``weight``/``bias`` (same names). DTN-only
 parameters (``mean_gate``, ``var_gate``, ``pos_coef``) and a Dual PatchNorm patch LayerNorm absent
 from the checkpoint keep their configured initialisation; this is logged, as is every other key
-that was not loaded or not used. A classifier's head (``head.*``) is dropped and reported. A shape
-mismatch raises ``ValueError`` naming the key and both shapes.
+that was not loaded or not used. A classifier's head (``head.*``) is dropped and reported. An
+absolute position embedding of another grid (PVT v1's ``pos_embed``, Swin's ``absolute_pos_embed``)
+is resampled to the model's grid, as timm does, and reported. Any other shape mismatch raises
+``ValueError`` naming the key and both shapes.
 """
 import logging
+import math
 import os.path as osp
 import re
 from collections import OrderedDict
@@ -30,7 +35,7 @@ from typing import Callable, Dict, List, Mapping, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from mmdet.models.backbones.pvt import pvt_convert
+from mmdet.models.backbones.pvt import AbsolutePositionEmbedding, pvt_convert
 from mmdet.models.backbones.swin import swin_converter
 from mmengine.logging import MMLogger, print_log
 from mmengine.runner.checkpoint import CheckpointLoader
@@ -40,6 +45,7 @@ from ..layers.reference_compat import convert_reference_state_dict
 
 __all__ = [
     'LoadReport', 'load_pretrained', 'read_state_dict', 'load_state_dict_checked',
+    'resample_position_embeddings',
     'pvt_checkpoint_to_mmdet', 'swin_checkpoint_to_mmdet', 'timm_pvt_v2_to_official',
     'timm_swin_to_official'
 ]
@@ -60,6 +66,7 @@ class LoadReport:
     missing: List[str] = field(default_factory=list)  # other model keys not in the checkpoint
     unused: List[str] = field(default_factory=list)  # checkpoint keys the model does not have
     classifier_head: List[str] = field(default_factory=list)  # dropped by load_pretrained
+    resampled: List[str] = field(default_factory=list)  # position embeddings of another grid
 
 
 # ---------------------------------------------------------------------------------- reading
@@ -89,13 +96,22 @@ def read_state_dict(checkpoint: str, prefix: Optional[str] = None, logger=None) 
         state_dict = _strip(state_dict, 'module.')
     if prefix:
         prefix = prefix if prefix.endswith('.') else prefix + '.'
-        selected = _strip(state_dict, prefix)
-        if not selected:
+        if not any(k.startswith(prefix) for k in state_dict):
             raise ValueError(f'no key of {checkpoint} starts with prefix {prefix!r}')
-        return selected
+        return _select(state_dict, prefix, checkpoint, logger)
     if any(k.startswith('backbone.') for k in state_dict):
-        return _strip(state_dict, 'backbone.')
+        return _select(state_dict, 'backbone.', checkpoint, logger)
     return state_dict
+
+
+def _select(state_dict: Mapping, prefix: str, checkpoint: str, logger) -> StateDict:
+    """The keys under ``prefix`` (stripped); the others (a classifier's head, a detector's neck
+    and heads) are reported by name."""
+    dropped = [k for k in state_dict if not k.startswith(prefix)]
+    if dropped:
+        print_log(f'{checkpoint}: {len(dropped)} tensors outside {prefix!r} are not loaded: '
+                  + _listed(dropped), logger=logger)
+    return _strip(state_dict, prefix)
 
 
 # ---------------------------------------------------------------------------------- PVT
@@ -136,7 +152,7 @@ def pvt_checkpoint_to_mmdet(state_dict: Mapping, convert_weights: bool) -> State
     (``pvt_convert`` if ``convert_weights``), mmdet-format ones unchanged."""
     if _is_timm_pvt_v2(state_dict):
         return pvt_convert(timm_pvt_v2_to_official(state_dict))
-    if convert_weights:
+    if convert_weights and 'layers.0.0.projection.weight' not in state_dict:  # not mmdet's names
         return pvt_convert(state_dict)
     return OrderedDict(state_dict)
 
@@ -196,7 +212,7 @@ def swin_checkpoint_to_mmdet(state_dict: Mapping, convert_weights: bool,
     tables resized to ``model``'s window size."""
     if _is_timm_swin(state_dict):
         state_dict = _strip(swin_converter(timm_swin_to_official(state_dict)), 'backbone.')
-    elif convert_weights:
+    elif convert_weights and 'patch_embed.projection.weight' not in state_dict:  # not mmdet's
         state_dict = _strip(swin_converter(state_dict), 'backbone.')
     else:
         state_dict = OrderedDict(state_dict)
@@ -309,9 +325,10 @@ def load_pretrained(model: nn.Module, init_cfg: Mapping,
     state_dict = read_state_dict(init_cfg['checkpoint'], init_cfg.get('prefix'), logger)
     print_log(f'{type(model).__name__}: loading {init_cfg["checkpoint"]}', logger=logger)
     state_dict, head = _without_classifier_head(model, state_dict, logger)
-    report = load_state_dict_checked(model, _from_reference_format(model, to_mmdet(state_dict),
-                                                                   logger), logger)
-    report.classifier_head = head
+    state_dict = _from_reference_format(model, to_mmdet(state_dict), logger)
+    resampled = resample_position_embeddings(model, state_dict, logger)
+    report = load_state_dict_checked(model, state_dict, logger)
+    report.classifier_head, report.resampled = head, resampled
     return report
 
 
@@ -323,6 +340,55 @@ def _without_classifier_head(model: nn.Module, state_dict: StateDict, logger):
         print_log(f'{type(model).__name__}: dropped the classifier head of the checkpoint: '
                   + ', '.join(head), logger=logger)
     return OrderedDict((k, v) for k, v in state_dict.items() if k not in head), head
+
+
+def _position_embedding_grids(model: nn.Module) -> Dict[str, tuple]:
+    """{key: (rows, columns)} of the model's absolute position embeddings: PVT v1's per stage
+    (mmdet's ``AbsolutePositionEmbedding``, its ``pos_shape``) and Swin's ``absolute_pos_embed``
+    (square: mmdet's Swin keeps no other shape)."""
+    grids = {f'{name}.pos_embed': tuple(int(s) for s in module.pos_shape)
+             for name, module in model.named_modules()
+             if isinstance(module, AbsolutePositionEmbedding)}
+    swin = getattr(model, 'absolute_pos_embed', None)
+    if isinstance(swin, torch.Tensor):
+        side = math.isqrt(swin.shape[1])
+        grids['absolute_pos_embed'] = (side, side)
+    return grids
+
+
+def resample_position_embeddings(model: nn.Module, state_dict: StateDict, logger=None
+                                 ) -> List[str]:
+    """Resample (in place) the absolute position embeddings of ``state_dict`` whose grid differs
+    from the model's, e.g. PVT's pretrained at 224 into a model with another
+    ``pretrain_img_size``: bicubic with antialiasing, timm's ``resample_abs_pos_embed``, which
+    timm applies when it loads weights into a model of another image size. Returns their keys.
+
+    A checkpoint grid is square (as every released PVT and Swin checkpoint's). Embeddings that
+    differ in anything but the number of tokens are left to the shape check, which names them.
+
+    Raises:
+        ValueError: a checkpoint embedding whose token count is not a square grid.
+    """
+    from timm.layers import resample_abs_pos_embed
+
+    resampled, model_state = [], model.state_dict()
+    for key, grid in _position_embedding_grids(model).items():
+        pos, target = state_dict.get(key), model_state[key]
+        if pos is None or pos.shape == target.shape or pos.dim() != 3 \
+                or (pos.shape[0], pos.shape[2]) != (target.shape[0], target.shape[2]):
+            continue
+        side = math.isqrt(pos.shape[1])
+        if side * side != pos.shape[1]:
+            raise ValueError(f'{key}: the checkpoint\'s position embedding {tuple(pos.shape)} '
+                             f'is not on a square grid; the model\'s is {grid[0]}x{grid[1]} '
+                             f'{tuple(target.shape)}')
+        state_dict[key] = resample_abs_pos_embed(pos, list(grid), [side, side],
+                                                 num_prefix_tokens=0)
+        resampled.append(key)
+        print_log(f'{type(model).__name__}: {key}: position embedding resampled from the '
+                  f'checkpoint\'s {side}x{side} grid to the model\'s {grid[0]}x{grid[1]} '
+                  '(bicubic, as timm)', logger=logger)
+    return resampled
 
 
 def _from_reference_format(model: nn.Module, state_dict: StateDict, logger) -> StateDict:

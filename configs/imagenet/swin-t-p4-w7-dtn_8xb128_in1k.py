@@ -1,0 +1,5 @@
+# Swin-T with DTN, ImageNet-1k: its LN twin with DTN in the blocks
+# (settings and weight decay in configs/README.md).
+_base_ = ['./swin-t-p4-w7-ln_8xb128_in1k.py', '../_base_/dtn_no_decay.py']
+model = dict(backbone=dict(type='SwinTransformerDTN', dtn_init='paper'))
+optim_wrapper = dict(paramwise_cfg=dict(custom_keys={{_base_.dtn_no_decay_keys}}))
