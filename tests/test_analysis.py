@@ -389,18 +389,19 @@ def test_images_follow_the_config_normalisation_and_channel_order():
 def test_benchmark_backbones_tool_prints_both_tables():
     """The backbone benchmark end to end on a tiny input: FLOPs and parameters, then time (both
     backbones alternating in one process, by default with glibc's malloc keeping freed memory on
-    Linux CPUs) and memory (one process each)."""
+    Linux CPUs) and memory (one process each), forward passes under bfloat16 autocast."""
     import subprocess
     import sys
     proc = subprocess.run(
         [sys.executable, osp.join(ROOT, 'tools', 'analysis', 'benchmark_backbones.py'),
          '--models', 'pvtv2_b0', '--batches', '1', '--size', '64x96', '--flops-sizes', '64x64',
-         '--repeats', '2', '--iters', '1', '--threads', '1'],
+         '--repeats', '2', '--iters', '1', '--threads', '1', '--autocast', 'bfloat16'],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     keep = sys.platform.startswith('linux') and not torch.cuda.is_available()
     assert f'malloc of the timing processes: {"keep" if keep else "system"}' in lines[0]
+    assert 'autocast=bfloat16' in lines[0]
     flops = next(line for line in lines if line.split()[:2] == ['pvtv2_b0', '64x64'])
     assert re.search(r'\+\d+\.\d+%', flops)  # DTN's FLOPs above the stock backbone's
     timed = next(line for line in lines if line.split()[:2] == ['pvtv2_b0', '1']).split()

@@ -102,6 +102,34 @@ def test_flop_counter_and_jit_trace_of_a_detector(dtn_backend):
         assert torch.allclose(a, b, atol=1e-5)
 
 
+def test_counters_count_dtn_by_its_formula(backend_setting):
+    """The custom ops carry the one DTN FLOP formula: torch.utils.flop_counter (2 per
+    multiply-add) and mmengine's FlopAnalyzer (1 per multiply-add) count a layer with it."""
+    from mmengine.analysis import FlopAnalyzer
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mmdtn.models.layers.dtn.flops import dtn_flops
+    set_dtn_backend('cpu')
+    norm = DynamicTokenNorm(32, 4, pool_size=2)
+    x = tokens(2, 6, 9, 32, torch.float32)
+    expected = dtn_flops(2, 32, 4, (6, 9), 2)
+    with FlopCounterMode(display=False) as counter:
+        norm(x, (6, 9))
+    assert counter.get_total_flops() == 2 * expected
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = norm
+
+        def forward(self, x):
+            return self.norm(x, (6, 9))
+
+    analyzer = FlopAnalyzer(Layer(), (x, ))
+    analyzer.unsupported_ops_warnings(False)
+    assert analyzer.by_module()['norm'] == expected
+
+
 def new_tensors_after(fn):
     """``fn()`` under saved-tensor hooks that pack every saved tensor into a numpy copy; returns
     its output and the tensors that the call left alive besides it (nothing, if the backward pass

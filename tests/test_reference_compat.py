@@ -23,13 +23,11 @@ def reference_forward(x, sd, heads, side, pool, eps):
     n = cells * cells
     rows = torch.arange(n) // cells
     cols = torch.arange(n) % cells
-    P = torch.empty(heads, n, n, dtype=x.dtype)  # P[h, out, src]
-    for o in range(n):
-        dx = (cols[o] - cols).to(x.dtype)  # output minus source
-        dy = (rows[o] - rows).to(x.dtype)
-        feats = torch.stack([dx, dy, dx * dx + dy * dy], -1)  # (src, 3)
-        logits = feats @ sd['pos_proj.weight'].t() + sd['pos_proj.bias']  # (src, heads)
-        P[:, o] = torch.softmax(logits, dim=0).t()
+    dx = (cols[:, None] - cols[None, :]).to(x.dtype)  # [out, src]: output minus source
+    dy = (rows[:, None] - rows[None, :]).to(x.dtype)
+    feats = torch.stack([dx, dy, dx * dx + dy * dy], -1)  # (out, src, 3)
+    logits = feats @ sd['pos_proj.weight'].t() + sd['pos_proj.bias']  # (out, src, heads)
+    P = torch.softmax(logits, dim=1).permute(2, 0, 1)  # P[h, out, src]
     mean_ln = x.mean(-1, keepdim=True)
     var_ln = x.var(-1, keepdim=True)  # unbiased
     img = x.view(B, side, side, C)

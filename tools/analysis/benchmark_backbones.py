@@ -88,8 +88,14 @@ def count_flops(name, size):
     return result
 
 
+#: dtype of the forward pass under autocast (``--autocast``), None for none
+AUTOCAST = {'dtype': None}
+
+
 def step(model, x):
-    outs = model(x)
+    dtype = AUTOCAST['dtype']
+    with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
+        outs = model(x)
     sum(o.float().mean() for o in outs).backward()
 
 
@@ -156,7 +162,7 @@ def measure(name, variant, batch, size, device, warmup, iters, malloc='system'):
     cmd = [sys.executable, os.path.abspath(__file__), '--worker', name, variant, str(batch),
            f'{size[0]}x{size[1]}', '--device', str(device), '--warmup', str(warmup),
            '--iters', str(iters),
-           '--threads', str(torch.get_num_threads())]
+           '--threads', str(torch.get_num_threads()), '--autocast', AUTOCAST['name']]
     env = dict(os.environ, **KEEP_FREED_MEMORY) if malloc == 'keep' else None
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode:
@@ -203,12 +209,17 @@ def main():
                         help="timing processes on Linux CPUs: 'keep' sets glibc's malloc to keep "
                         "freed memory (no page faults on reused memory), 'system' leaves its "
                         "defaults; memory is always measured with the defaults")
+    parser.add_argument('--autocast', default='none', choices=['none', 'float16', 'bfloat16'],
+                        help='forward passes under autocast to this dtype (mmdet\'s '
+                        'AmpOptimWrapper: float16)')
     parser.add_argument('--skip', nargs='*', default=[], choices=['flops', 'time'],
                         help="'time' skips the time and memory measurements")
     parser.add_argument('--worker', nargs=4, metavar=('MODEL', 'VARIANT', 'BATCH', 'SIZE'),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     device = torch_device(args.device, args.threads)
+    AUTOCAST.update(name=args.autocast, dtype=None if args.autocast == 'none' else
+                    getattr(torch, args.autocast))
     torch.manual_seed(0)
     if args.worker:
         name, variant, batch, size = args.worker
@@ -222,9 +233,10 @@ def main():
     size = parse_size(args.size)
     malloc = 'keep' if args.malloc == 'keep' and device.type == 'cpu' and sys.platform.startswith(
         'linux') else 'system'
-    print(f'device={device}, torch threads={torch.get_num_threads()}, time/memory input '
-          f'{size[0]}x{size[1]}, batches {args.batches}, {args.repeats} processes x '
-          f'{args.iters} timed iterations per model, malloc of the timing processes: {malloc}')
+    print(f'device={device}, autocast={args.autocast}, torch threads={torch.get_num_threads()}, '
+          f'time/memory input {size[0]}x{size[1]}, batches {args.batches}, {args.repeats} '
+          f'processes x {args.iters} timed iterations per model, malloc of the timing processes: '
+          f'{malloc}')
     if 'flops' not in args.skip:
         rows = []
         for name in tqdm(args.models, desc='FLOPs'):

@@ -260,7 +260,7 @@ def time_table(args, device, names, progress):
     for model, stage, C, H, W, pool, heads in STAGES:
         x, grad = inputs(C, H, W, args.batch, device, DTYPES[args.dtype])
         T = (-(-H // pool) * -(-W // pool))**2
-        dense = 4 * heads * T * x.element_size() * 4 <= args.dense_limit_gb * 2**30
+        dense = 4 * heads * T * x.element_size() <= args.dense_limit_gb * 2**30  # P, logits, grads
         modules = {name: m[:2] for name, m in layers(C, heads, pool, device,
                                                      [(n, device) for n in names], dense).items()}
         times = timed(modules, x, (H, W), grad, device, args.repeats, args.warmup, clock)

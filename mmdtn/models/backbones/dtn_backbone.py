@@ -16,12 +16,7 @@ from ..layers import add_dual_patchnorm
 from .dtn_blocks import TokenNormBlockMixin, dtn_stage_settings
 from .pretrained import StateDict, load_pretrained
 
-__all__ = ['DTNBackboneMixin', 'default_pool_sizes']
-
-
-def default_pool_sizes(num_stages: int) -> List[int]:
-    """Pooling sizes 4 and 2 in the first two stages, none after (paper App. B.1)."""
-    return [max(1, 4 >> i) for i in range(num_stages)]
+__all__ = ['DTNBackboneMixin']
 
 
 class DTNBackboneMixin:
@@ -35,8 +30,10 @@ class DTNBackboneMixin:
             sizes; one value for all stages or one per stage. ``None``: the backbone's default for
             the architecture that was built.
         dtn_init (str | Sequence[str]): 'paper' (Eq. 7, gates 0) or 'layernorm' (a fresh DTN
-            equals LayerNorm). Default: 'paper'.
-        dtn_reference_compat (bool): DTN statistics as the authors' reference code computes them
+            is the LayerNorm it replaces, and its gates train; see ``DynamicTokenNorm``).
+            Default: 'paper'.
+        dtn_reference_compat (bool): DTN statistics and eps (1e-5, whatever the LayerNorms'
+            eps) as the authors' reference code computes them
             (:mod:`mmdtn.models.layers.reference_compat`), to reproduce models trained with it;
             checkpoints in that code's format are converted on loading. Default: False.
         dual_patchnorm (bool): LayerNorm each flattened patch of the first patch embedding before
@@ -58,6 +55,7 @@ class DTNBackboneMixin:
                  with_cp: bool = False,
                  **kwargs):
         super().__init__(*args, **kwargs)
+        self.adapt_stock_model()
         stages = self.stage_blocks()
         given = dict(dtn_stages=dtn_stages, dtn_heads=dtn_heads, dtn_pool_sizes=dtn_pool_sizes)
         defaults = self.default_dtn_settings()
@@ -74,6 +72,9 @@ class DTNBackboneMixin:
         self.dual_patchnorm = dual_patchnorm
         if dual_patchnorm:
             add_dual_patchnorm(self.first_patch_embedding())
+
+    def adapt_stock_model(self):
+        """Changes to the stock model before DTN goes in (none by default)."""
 
     def stage_blocks(self) -> List[List[nn.Module]]:
         """The stock transformer blocks of every stage, as built by the stock ``__init__``."""

@@ -12,87 +12,15 @@ subclass (the technique PyTorch's FSDP2 ``fully_shard`` uses), swapping ``norm1`
 ``DynamicTokenNorm`` modules in DTN stages. The new norms keep the attribute names, so an LN
 checkpoint's ``norm1.weight``/``norm1.bias`` land on DTN's affine ``weight``/``bias``.
 """
-from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Callable, Optional
 
 import torch.nn as nn
 from torch.utils import checkpoint as cp
 
+from ..dtn_stages import DTNStageSettings, dtn_stage_settings
 from ..layers import DynamicTokenNorm
 
 __all__ = ['DTNStageSettings', 'dtn_stage_settings', 'TokenNormBlockMixin']
-
-
-@dataclass(frozen=True)
-class DTNStageSettings:
-    """DTN settings of one stage: the arguments of its ``DynamicTokenNorm`` layers.
-
-    The layer checks them; :meth:`norm_like` names the backbone arguments they come from when it
-    refuses them.
-    """
-    num_heads: int
-    pool_size: int = 1
-    init: str = 'paper'
-    reference_compat: bool = False
-
-    def norm_like(self, norm: nn.Module) -> DynamicTokenNorm:
-        """A ``DynamicTokenNorm`` replacing the LayerNorm ``norm`` (same features, eps, device
-        and dtype)."""
-        if not isinstance(norm, nn.LayerNorm) or len(norm.normalized_shape) != 1:
-            raise ValueError('DTN replaces the LayerNorms of the blocks; norm_cfg built '
-                             f'{norm!r} instead')
-        channels = norm.normalized_shape[0]
-        try:
-            dtn = DynamicTokenNorm(channels, self.num_heads, pool_size=self.pool_size,
-                                   eps=norm.eps, init=self.init,
-                                   reference_compat=self.reference_compat)
-        except ValueError as e:
-            raise ValueError(f'{channels} channels with dtn_heads={self.num_heads!r}, '
-                             f'dtn_pool_sizes={self.pool_size!r}, dtn_init={self.init!r}: '
-                             f'{e}') from None
-        return dtn.to(device=norm.weight.device, dtype=norm.weight.dtype) \
-            if norm.weight is not None else dtn
-
-
-def _per_stage(value, num_stages: int, name: str) -> list:
-    if isinstance(value, (list, tuple)):
-        if len(value) != num_stages:
-            raise ValueError(f'{name} must be a single value or one value per stage '
-                             f'({num_stages} stages), got {list(value)}')
-        return list(value)
-    return [value] * num_stages
-
-
-def dtn_stage_settings(num_stages: int,
-                       dtn_stages: Union[bool, Sequence[bool]],
-                       dtn_heads: Union[int, Sequence[int]],
-                       dtn_pool_sizes: Union[int, Sequence[int]] = 1,
-                       dtn_init: Union[str, Sequence[str]] = 'paper',
-                       dtn_reference_compat: bool = False) -> List[Optional[DTNStageSettings]]:
-    """The per-stage DTN settings of a backbone from its ``dtn_*`` arguments.
-
-    Each setting is a single value for all stages or a list with one value per stage; the values
-    themselves are checked by ``DynamicTokenNorm`` when the stage's layers are built.
-
-    Args:
-        num_stages: number of stages of the backbone.
-        dtn_stages: whether each stage uses DTN (bools).
-        dtn_heads: DTN heads (channel groups) of each stage.
-        dtn_pool_sizes: pooling size ``s`` of DTN's inter-token statistics in each stage.
-        dtn_init: 'paper' (Eq. 7, gates 0) or 'layernorm' (equal to LayerNorm at init) per stage.
-        dtn_reference_compat: statistics as the authors' reference code computes them (all stages).
-
-    Returns:
-        one entry per stage: ``None`` for a LayerNorm stage, else a :class:`DTNStageSettings`.
-    """
-    stages = _per_stage(dtn_stages, num_stages, 'dtn_stages')
-    if not all(isinstance(use, bool) for use in stages):
-        raise ValueError(f'dtn_stages must hold bools (one per stage), got {dtn_stages!r}')
-    values = zip(stages, _per_stage(dtn_heads, num_stages, 'dtn_heads'),
-                 _per_stage(dtn_pool_sizes, num_stages, 'dtn_pool_sizes'),
-                 _per_stage(dtn_init, num_stages, 'dtn_init'))
-    return [DTNStageSettings(h, s, init, bool(dtn_reference_compat)) if use else None
-            for use, h, s, init in values]
 
 
 class TokenNormBlockMixin:

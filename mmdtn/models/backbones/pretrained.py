@@ -5,7 +5,8 @@ Accepted checkpoints (``init_cfg=dict(type='Pretrained', checkpoint=..., prefix=
 - official PVT v1 / PVTv2 and Swin releases, converted with mmdet's own ``pvt_convert`` /
   ``swin_converter`` when ``convert_weights=True``, exactly as mmdet's backbones do;
 - timm ``pvt_v2_*`` and ``swin_*`` state dicts (always converted: timm's names -> the official
-  release's names -> mmdet's);
+  release's names -> mmdet's), those of mmdtn's timm DTN models (``pvt_v2_b0_dtn``, ...) included:
+  their DTN parameters keep their names under the block norms and load one to one;
 - mmdet-format weights (a backbone's ``state_dict()``, or a detector / classifier checkpoint whose
   backbone keys start with ``backbone.``, or with ``prefix``), such as an mmpretrain image
   classifier trained on a DTN backbone (``configs/imagenet/``): taken as they are whatever
@@ -18,9 +19,10 @@ DTN layers saved by the authors' reference code (``mean_norm_weight``, ``var_nor
 The block LayerNorms' ``weight``/``bias`` load into DTN's ``weight``/``bias`` (same names). DTN-only
 parameters (``mean_gate``, ``var_gate``, ``pos_coef``) and a Dual PatchNorm patch LayerNorm absent
 from the checkpoint keep their configured initialisation; this is logged, as is every other key
-that was not loaded or not used. An absolute position embedding of another grid (PVT v1's
-``pos_embed``, Swin's ``absolute_pos_embed``) is resampled to the model's grid, as timm does, and
-reported. Any other shape mismatch raises ``ValueError`` naming the key and both shapes.
+that was not loaded or not used. A classifier's head (``head.*``) is dropped and reported. An
+absolute position embedding of another grid (PVT v1's ``pos_embed``, Swin's ``absolute_pos_embed``)
+is resampled to the model's grid, as timm does, and reported. Any other shape mismatch raises
+``ValueError`` naming the key and both shapes.
 """
 import logging
 import math
@@ -63,6 +65,7 @@ class LoadReport:
     derived: List[str] = field(default_factory=list)  # buffers the model computes itself
     missing: List[str] = field(default_factory=list)  # other model keys not in the checkpoint
     unused: List[str] = field(default_factory=list)  # checkpoint keys the model does not have
+    classifier_head: List[str] = field(default_factory=list)  # dropped by load_pretrained
     resampled: List[str] = field(default_factory=list)  # position embeddings of another grid
 
 
@@ -321,11 +324,22 @@ def load_pretrained(model: nn.Module, init_cfg: Mapping,
                          f'checkpoint=...) only, got {init_cfg!r}')
     state_dict = read_state_dict(init_cfg['checkpoint'], init_cfg.get('prefix'), logger)
     print_log(f'{type(model).__name__}: loading {init_cfg["checkpoint"]}', logger=logger)
+    state_dict, head = _without_classifier_head(model, state_dict, logger)
     state_dict = _from_reference_format(model, to_mmdet(state_dict), logger)
     resampled = resample_position_embeddings(model, state_dict, logger)
     report = load_state_dict_checked(model, state_dict, logger)
-    report.resampled = resampled
+    report.classifier_head, report.resampled = head, resampled
     return report
+
+
+def _without_classifier_head(model: nn.Module, state_dict: StateDict, logger):
+    """The state dict without an image classifier's head (``head.*``: timm's, the official PVT and
+    Swin releases'), and the keys dropped, which are logged."""
+    head = [k for k in state_dict if k.startswith('head.')]
+    if head:
+        print_log(f'{type(model).__name__}: dropped the classifier head of the checkpoint: '
+                  + ', '.join(head), logger=logger)
+    return OrderedDict((k, v) for k, v in state_dict.items() if k not in head), head
 
 
 def _position_embedding_grids(model: nn.Module) -> Dict[str, tuple]:

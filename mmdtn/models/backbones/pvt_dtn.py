@@ -4,13 +4,17 @@ mmdet's ``PyramidVisionTransformer`` / ``PyramidVisionTransformerV2`` with the t
 every encoder layer in DTN stages replaced by ``DynamicTokenNorm`` (App. A.1: DTN in the first
 three stages of PVT, the last stage keeps LayerNorm; App. B.1: pooling sizes 4 and 2 in the first
 two stages). Patch-embedding norms, the spatial-reduction norms and the stage output norms stay
-LayerNorm. Optionally Dual PatchNorm on the stage-1 patch embedding.
+LayerNorm. Optionally Dual PatchNorm on the stage-1 patch embedding, and attention heads set
+independently of the stage widths (``attention_heads``), as the authors' DTN-PVT models have them.
 """
+from typing import Optional, Sequence, Union
+
 from mmdet.models.backbones.pvt import (PVTEncoderLayer, PyramidVisionTransformer,
                                         PyramidVisionTransformerV2)
 
 from mmdtn.registry import register_model
-from .dtn_backbone import DTNBackboneMixin, default_pool_sizes
+from ..dtn_stages import pvt_dtn_defaults
+from .dtn_backbone import DTNBackboneMixin
 from .dtn_blocks import TokenNormBlockMixin
 from .pretrained import pvt_checkpoint_to_mmdet
 
@@ -38,25 +42,55 @@ class PVTEncoderLayerDTN(TokenNormBlockMixin, PVTEncoderLayer):
 
 
 class _PVTDTNMixin(DTNBackboneMixin):
-    """Where PVT and PVTv2 keep what :class:`DTNBackboneMixin` needs, and their DTN defaults."""
+    """Where PVT and PVTv2 keep what :class:`DTNBackboneMixin` needs, their DTN defaults, and the
+    per-stage attention heads.
+
+    Args (besides those of :class:`DTNBackboneMixin` and mmdet's backbone):
+        attention_heads (int | Sequence[int], optional): attention heads of each stage. mmdet's
+            ``num_heads`` sets both a stage's width (``embed_dims * num_heads[i]``) and its heads;
+            given, these heads replace the latter and the widths stay. The authors' DTN-PVT
+            models: ``num_heads=[1, 2, 5, 8]`` (widths 64, 128, 320, 512) with
+            ``attention_heads=[4, 4, 5, 8]``. Default: ``num_heads``.
+    """
 
     dtn_block = PVTEncoderLayerDTN
+
+    def __init__(self, *args, attention_heads: Optional[Union[int, Sequence[int]]] = None,
+                 **kwargs):
+        # A plain attribute may be set before the stock __init__; adapt_stock_model applies it.
+        self.attention_heads = attention_heads
+        super().__init__(*args, **kwargs)
+
+    def adapt_stock_model(self):
+        """Give every stage's attention ``attention_heads`` heads (its weights do not depend on
+        them); ``self.attention_heads`` becomes the list of each stage's heads."""
+        heads = self.attention_heads
+        if heads is None:
+            heads = list(self.num_heads)
+        elif isinstance(heads, int):
+            heads = [heads] * self.num_stages
+        elif len(heads) != self.num_stages:
+            raise ValueError(f'attention_heads must be a single value or one value per stage '
+                             f'({self.num_stages} stages), got {list(heads)}')
+        for index, (blocks, h) in enumerate(zip(self.stage_blocks(), heads)):
+            for block in blocks:
+                attention = block.attn.attn  # the torch.nn.MultiheadAttention
+                if not isinstance(h, int) or h < 1 or attention.embed_dim % h:
+                    raise ValueError(f'{type(self).__name__}: stage {index + 1} has '
+                                     f'{attention.embed_dim} channels, which attention_heads='
+                                     f'{h!r} do not divide into equal heads')
+                attention.num_heads, attention.head_dim = h, attention.embed_dim // h
+                block.attn.num_heads = h
+        self.attention_heads = list(heads)
 
     def stage_blocks(self):
         return [[b for b in blocks if isinstance(b, PVTEncoderLayer)]  # not the position embedding
                 for _, blocks, _ in self.layers]
 
     def default_dtn_settings(self):
-        """DTN in the first three stages (paper App. A.1, l^dtn = 3: PVT's classifier appends its
-        class token after them); heads: the stage's attention heads, at least 4 where 4 divides
-        its channels (4, 4, 5, 8 in the standard models); pooling 4, 2, then 1 (App. B.1)."""
-        heads = []
-        for attention_heads in self.num_heads:
-            channels = self.embed_dims * attention_heads
-            heads.append(max(4, attention_heads) if channels % max(4, attention_heads) == 0
-                         else attention_heads)
-        return dict(dtn_stages=[i < 3 for i in range(self.num_stages)], dtn_heads=heads,
-                    dtn_pool_sizes=default_pool_sizes(self.num_stages))
+        """:func:`~mmdtn.models.dtn_stages.pvt_dtn_defaults` of the attention heads and widths."""
+        return pvt_dtn_defaults(self.attention_heads,
+                                [self.embed_dims * h for h in self.num_heads])
 
     def first_patch_embedding(self):
         return self.layers[0][0]
@@ -75,8 +109,8 @@ class PyramidVisionTransformerDTN(_PVTDTNMixin, PyramidVisionTransformer):
     defaults here (:meth:`default_dtn_settings`):
 
     - ``dtn_stages``: the first three stages, (True, True, True, False) with four, as the paper;
-    - ``dtn_heads``: the stage's attention heads, at least 4 where 4 divides the stage's channels:
-      (4, 4, 5, 8) in the standard models, as the authors' PVT models;
+    - ``dtn_heads``: the stage's attention heads (``attention_heads``), at least 4 where 4 divides
+      the stage's channels: (4, 4, 5, 8) in the standard models, as the authors' PVT models;
     - ``dtn_pool_sizes``: 4, 2, then 1 (paper App. B.1).
     """
 

@@ -8,7 +8,8 @@ and the output norms stay LayerNorm. Optionally Dual PatchNorm on the patch embe
 from mmdet.models.backbones.swin import SwinBlock, SwinTransformer
 
 from mmdtn.registry import register_model
-from .dtn_backbone import DTNBackboneMixin, default_pool_sizes
+from ..dtn_stages import swin_dtn_defaults
+from .dtn_backbone import DTNBackboneMixin
 from .dtn_blocks import TokenNormBlockMixin
 from .pretrained import swin_checkpoint_to_mmdet
 
@@ -49,12 +50,9 @@ class SwinTransformerDTN(DTNBackboneMixin, SwinTransformer):
         return [list(stage.blocks) for stage in self.stages]
 
     def default_dtn_settings(self):
-        """DTN in all stages (App. A.1: Swin has no class token); heads: the stage's attention
-        heads; pooling 4, 2, then 1 (App. B.1)."""
-        heads = [stage.blocks[0].attn.w_msa.num_heads if len(stage.blocks) else 1
-                 for stage in self.stages]
-        return dict(dtn_stages=True, dtn_heads=heads,
-                    dtn_pool_sizes=default_pool_sizes(len(self.stages)))
+        """:func:`~mmdtn.models.dtn_stages.swin_dtn_defaults` of the stages' attention heads."""
+        return swin_dtn_defaults([stage.blocks[0].attn.w_msa.num_heads if len(stage.blocks) else 1
+                                  for stage in self.stages])
 
     def first_patch_embedding(self):
         return self.patch_embed

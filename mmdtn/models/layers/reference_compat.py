@@ -21,8 +21,13 @@ import torch
 
 __all__ = [
     'StatisticsConvention', 'PAPER_CONVENTION', 'REFERENCE_CONVENTION', 'group_rms_normalize',
-    'convert_reference_state_dict', 'REFERENCE_ONLY_VAR_MEAN_GATE'
+    'convert_reference_state_dict', 'REFERENCE_ONLY_VAR_MEAN_GATE', 'REFERENCE_EPS'
 ]
+
+#: eps of the reference code's DTN layers (in the group-RMS pre-normalisation and the variance).
+#: The backbones' ``dtn_reference_compat=True`` builds their DTN layers with it, whatever the eps of
+#: the LayerNorms they replace.
+REFERENCE_EPS = 1e-5
 
 #: Mean-gate logit given to converted ``only_var`` reference layers (no ``mean_norm_weight``), whose
 #: mean is always the LN mean: sigmoid(40) rounds to exactly 1 in float32 and float64.

@@ -27,8 +27,10 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 from ..reference_compat import StatisticsConvention
+from .flops import dtn_flops
 from .grid import TokenGrid
 
 __all__ = ['no_autocast', 'TokenStatistics', 'Saved', 'Gradients', 'dtn_forward', 'dtn_backward',
@@ -150,20 +152,23 @@ def _backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convent
     factor_y, factor_x = backend.factor(p_y), backend.factor(p_x)
     if grid.pooled:
         T, m = saved.moments, saved.products
-        u = row_products(T, factor_x)
-    else:  # T = (x - centre, its square), u and m recomputed
+    else:  # T = (x - centre, its square) and m recomputed
         stats = TokenStatistics(saved.mean_ln, saved.var_ln, saved.centre, grid.cell_means(x),
                                 None)
         T = moments(stats, grid)
-        u, m = positional_products(T, factor_y, factor_x, grid)
+        m = positional_products(T, factor_y, factor_x, grid)[1]
 
     # pass 1: with D1 = g w rstd (= -dL/dmu) and D2 = D1 xhat rstd (= -2 dL/dvar) per token and
     # channel, dL/dm of every cell and the sums over the tokens for the parameters; ``tokens``
     # holds what pass 2 takes from pass 1 (a backend may keep D1 or recompute it)
     tokens, sums, dm = backend.token_gradients(g, x, saved, m, ratios, weight, eps, grid)
 
-    # the positional products backwards: dL/dm -> dL/dP_y, dL/du -> dL/dP_x, dL/dT
-    grad_p_y, grad_p_x, dT = products_backward(dm, u, T, factor_y, factor_x, grid)
+    # the positional products backwards: dL/dm -> dL/dP_y, dL/du -> dL/dP_x, dL/dT; the
+    # temporaries, each of T's size, are dropped as soon as they are used
+    grad_p_y, du = rows_backward(dm, row_products(T, factor_x), factor_y, grid)
+    del dm
+    grad_p_x, dT = columns_backward(du, T, factor_x, grid)
+    del du
     d_first, d_second = dT[:, :, 0], dT[:, :, 1]
     if grid.pooled and convention.square_of_pooled:  # second moment = first^2
         d_first = d_first + 2 * T[:, :, 0] * d_second
@@ -199,22 +204,28 @@ def positional_products(T, factor_y, factor_x, grid):
     u = row_products(T, factor_x)
     Hp, Wp, d = grid.Hp, grid.Wp, grid.d
     m = factor_y.matmul(u.view(-1, Hp, Wp * d)).view(u.shape)
-    if grid.pooled:
-        first, second = m.unbind(1)
-        m = torch.stack([first, (second - first * first).clamp_min(0)], dim=1)
+    if grid.pooled:  # in place: m is this function's own tensor
+        first, second = m.select(1, 0), m.select(1, 1)  # single views: in-place is traceable
+        second.addcmul_(first, first, value=-1).clamp_min_(0)
     return u, m
 
 
-def products_backward(dm, u, T, factor_y, factor_x, grid):
-    """The gradients of P_y, P_x and T from dL/dm (head-major, with respect to the raw moments)."""
+def rows_backward(dm, u, factor_y, grid):
+    """m = P_y u backwards: the gradient of P_y and dL/du, column-major (heads, Wp, ...), from
+    dL/dm (head-major, with respect to the raw moments)."""
     heads, B, Hp, Wp, d = grid.heads, grid.B, grid.Hp, grid.Wp, grid.d
     dm_rows = dm.view(-1, Hp, Wp * d)
     grad_p_y = factor_y.outer(dm_rows, u.view(-1, Hp, Wp * d)).view(heads, 2 * B, Hp, Hp).sum(1)
+    del u
     du = factor_y.matmul(dm_rows, transpose=True).view(heads, 2, B, Hp, Wp, d)
-    du = du.permute(0, 4, 1, 2, 3, 5).contiguous().view(heads, Wp, -1)  # column-major
-    grad_p_x = factor_x.outer(du, T.view(heads, Wp, -1))
-    dT = factor_x.matmul(du, transpose=True).view(T.shape)
-    return grad_p_y, grad_p_x, dT
+    return grad_p_y, du.permute(0, 4, 1, 2, 3, 5).contiguous().view(heads, Wp, -1)
+
+
+def columns_backward(du, T, factor_x, grid):
+    """u = P_x T backwards: the gradient of P_x and dL/dT (T's layout) from the column-major
+    dL/du."""
+    grad_p_x = factor_x.outer(du, T.view(grid.heads, grid.Wp, -1))
+    return grad_p_x, factor_x.matmul(du, transpose=True).view(T.shape)
 
 
 def ln_gradient(tok1, tok2, mean_ln, C, n_var):
@@ -349,6 +360,12 @@ def define_custom_ops(backend, name):
         return (*result, *([None] * len(ctx.options)))
 
     forward.register_autograd(differentiate, setup_context=setup_context)
+
+    @register_flop_formula(getattr(torch.ops.mmdtn, f'dtn_{name}_forward'))
+    def flops(x_shape, *args, out_shape=None, **kwargs):
+        """The layer's FLOPs for ``torch.utils.flop_counter`` (2 per multiply-add)."""
+        H, W, pool, heads = args[5:9]
+        return 2 * dtn_flops(x_shape[0], x_shape[2], heads, (H, W), pool)
 
     def apply(x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
         return forward(x, p_y, p_x, ratios, weight, bias, grid.H, grid.W, grid.pool, grid.heads,

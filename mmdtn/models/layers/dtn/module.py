@@ -1,5 +1,7 @@
 """DynamicTokenNorm, the module: parameters, initialisation (Algorithm 1), input checks, the dtype
 policy and the analysis helpers. The math lives in :mod:`.function` and the backends."""
+import math
+
 import torch
 from torch import nn
 
@@ -11,15 +13,38 @@ from .positional import axis_factors, paper_coefficients, positional_matrix
 
 __all__ = ['DynamicTokenNorm', 'LAYERNORM_GATE_LOGIT', 'DTN_INITS']
 
-#: Gate logit of ``init='layernorm'``. sigmoid never reaches 1: the output differs from LayerNorm by
-#: about (1 - lambda) * var_it / var_ln, and for tokens far quieter than their neighbours that ratio
-#: can exceed 1e9. With 1 - lambda = sigmoid(-40) = 4e-18 a fresh DTN equals LayerNorm to < 1e-5 for
-#: any such features (tested); the price is that the gates start saturated and receive vanishing
-#: gradients, so the layer stays LayerNorm unless the gates are lowered (e.g. to 0) for fine-tuning.
+#: Largest gate logit written to a state dict, and the one that stands for lambda = 1 there:
+#: 1 - sigmoid(40) = 4e-18, so that a layer loaded with it equals LayerNorm to < 1e-5 even for tokens
+#: far quieter than their neighbours (the output differs by about (1 - lambda) * var_it / var_ln).
+#: A gate of ``init='layernorm'`` at LayerNorm (lambda = 1 exactly) is saved as this logit.
 LAYERNORM_GATE_LOGIT = 40.0
 
 #: The initialisations of DynamicTokenNorm (its ``init`` argument).
 DTN_INITS = ('paper', 'layernorm')
+
+#: The gate parameters, whose meaning ``init='layernorm'`` changes (see :class:`DynamicTokenNorm`).
+_GATES = ('mean_gate', 'var_gate')
+
+
+def _share_of_distance(distance):
+    """1 - lambda = tanh|u| of the gates of ``init='layernorm'`` (u: distance from LayerNorm).
+
+    |u| is taken with derivative +1 at u = 0, so that a gate at LayerNorm receives the full
+    gradient of the loss with respect to 1 - lambda."""
+    return torch.tanh(torch.where(distance < 0, -distance, distance))
+
+
+def _distance_to_logit(distance):
+    """The logit of lambda = 1 - tanh|u|, log((1 - tanh|u|) / tanh|u|), computed in float64 and
+    clipped to +-:data:`LAYERNORM_GATE_LOGIT` (u = 0, lambda = 1, becomes that logit)."""
+    logit = math.log(2.0) - torch.log(torch.expm1(2 * distance.double().abs()))
+    return logit.clamp(-LAYERNORM_GATE_LOGIT, LAYERNORM_GATE_LOGIT).to(distance.dtype)
+
+
+def _logit_to_distance(logit):
+    """The distance u >= 0 with 1 - tanh(u) = sigmoid(logit): u = log(1 + 2 exp(-logit)) / 2."""
+    clipped = logit.double().clamp(-LAYERNORM_GATE_LOGIT, LAYERNORM_GATE_LOGIT)
+    return (0.5 * torch.log1p(2 * torch.exp(-clipped))).to(logit.dtype)
 
 
 class DynamicTokenNorm(nn.Module):
@@ -43,8 +68,8 @@ class DynamicTokenNorm(nn.Module):
         pool_size (int): inter-token statistics on the grid average-pooled by this factor (>= 1).
         eps (float): added to the variance (Eq. 4).
         init (str): ``'paper'``: gates 0 (lambda = 0.5), a^h by Eq. 7 with distinct neighbourhood
-            offsets; ``'layernorm'``: same a^h, gates = :data:`LAYERNORM_GATE_LOGIT` so that a fresh
-            layer equals ``nn.LayerNorm`` with the same weight and bias (to < 1e-5).
+            offsets; ``'layernorm'``: same a^h, lambda = 1, so that a fresh layer is
+            ``nn.LayerNorm`` with the same weight and bias, and gates that train (see below).
         reference_compat (bool): compute the statistics as the authors' reference code does (see
             :mod:`mmdtn.models.layers.reference_compat`); parameters keep their names and meaning.
 
@@ -55,6 +80,19 @@ class DynamicTokenNorm(nn.Module):
 
     Parameters: ``weight``, ``bias`` (C,); ``mean_gate``, ``var_gate`` (num_heads,) logits of the
     mean and variance weight ratios lambda; ``pos_coef`` (num_heads, 3), the a^h of Eq. 6.
+
+    Starting from LayerNorm (``init='layernorm'``): LayerNorm is lambda = 1, which a logit reaches
+    only at infinity, where its gradient lambda (1 - lambda) vanishes; near it an optimiser moves
+    a logit by about its learning rate per step, so 1 - lambda grows by a factor e per unit of
+    logit it travels. Such a layer therefore trains its gates as their distance u from LayerNorm,
+    1 - lambda = tanh|u|, starting at u = 0: it is LayerNorm exactly (any input), the gradient of
+    u is that of 1 - lambda (undamped), and an AdamW step of learning rate lr changes 1 - lambda
+    by about lr. The cost: the gates learn in another coordinate than the paper's (their
+    dynamics differ from ``init='paper'``'s), and a head whose loss prefers LayerNorm hovers
+    within a few lr of it (|u| has a kink at 0) instead of settling there. The live
+    ``mean_gate``/``var_gate`` of such a layer hold u; its ``state_dict()`` holds the logits
+    (clipped to +-:data:`LAYERNORM_GATE_LOGIT`) and ``load_state_dict`` takes logits, so that
+    checkpoints mean the same for both initialisations (u comes back as |u|).
     """
 
     _abbr_ = 'dtn'
@@ -88,13 +126,13 @@ class DynamicTokenNorm(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
-        """Affine to identity, a^h by Eq. 7, gates by ``self.init`` (Algorithm 1, line 2)."""
+        """Affine to identity, a^h by Eq. 7, gates by ``self.init`` (Algorithm 1, line 2): 0, which
+        is lambda = 0.5 for ``'paper'`` (a logit) and lambda = 1 for ``'layernorm'`` (a distance)."""
         with torch.no_grad():
             self.weight.fill_(1.0)
             self.bias.zero_()
-            gate = LAYERNORM_GATE_LOGIT if self.init == 'layernorm' else 0.0
-            self.mean_gate.fill_(gate)
-            self.var_gate.fill_(gate)
+            self.mean_gate.zero_()
+            self.var_gate.zero_()
             self.pos_coef.copy_(paper_coefficients(self.num_heads, torch.float64))
 
     def extra_repr(self):
@@ -104,13 +142,13 @@ class DynamicTokenNorm(nn.Module):
     # ------------------------------------------------------------------ analysis helpers
     @property
     def mean_lambda(self):
-        """Weight ratio of the intra-token mean, sigmoid(mean_gate), shape (num_heads,)."""
-        return torch.sigmoid(self.mean_gate)
+        """Weight ratio of the intra-token mean lambda_m, shape (num_heads,)."""
+        return self._lambda(self.mean_gate)
 
     @property
     def var_lambda(self):
-        """Weight ratio of the intra-token variance, sigmoid(var_gate), shape (num_heads,)."""
-        return torch.sigmoid(self.var_gate)
+        """Weight ratio of the intra-token variance lambda_v, shape (num_heads,)."""
+        return self._lambda(self.var_gate)
 
     def pooled_shape(self, hw_shape):
         """Shape (ceil(H/s), ceil(W/s)) of the grid the inter-token statistics are computed on."""
@@ -208,10 +246,36 @@ class DynamicTokenNorm(nn.Module):
             x = group_rms_normalize(x, self.num_heads, self.eps)
         return x
 
+    def _lambda(self, gate):
+        """lambda of a gate parameter: sigmoid(logit), or 1 - tanh|u| with ``init='layernorm'``."""
+        return 1 - _share_of_distance(gate) if self.init == 'layernorm' else torch.sigmoid(gate)
+
     def _channel_ratios(self, dtype):
         """Per-channel (lambda_mean, 1 - lambda_mean, lambda_var, 1 - lambda_var), shape (4, C).
 
-        1 - lambda is computed as sigmoid(-gate) so that it stays accurate near lambda = 1."""
+        1 - lambda is computed as sigmoid(-gate) (or tanh|u|) so that it stays accurate near
+        lambda = 1."""
         d = self.num_features // self.num_heads
-        gates = torch.stack([self.mean_gate, -self.mean_gate, self.var_gate, -self.var_gate])
-        return torch.sigmoid(gates.to(dtype)).repeat_interleave(d, dim=1)
+        if self.init == 'layernorm':
+            shares = _share_of_distance(torch.stack([self.mean_gate, self.var_gate]).to(dtype))
+            ratios = torch.stack([1 - shares[0], shares[0], 1 - shares[1], shares[1]])
+        else:
+            gates = torch.stack([self.mean_gate, -self.mean_gate, self.var_gate, -self.var_gate])
+            ratios = torch.sigmoid(gates.to(dtype))
+        return ratios.repeat_interleave(d, dim=1)
+
+    # ------------------------------------------------------------------ checkpoints: gate logits
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """The gates are saved as logits whatever ``init`` (see the class docstring)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.init == 'layernorm':
+            for name in _GATES:
+                destination[prefix + name] = _distance_to_logit(destination[prefix + name].detach())
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """Gate logits are loaded as distances from LayerNorm with ``init='layernorm'``."""
+        if self.init == 'layernorm':
+            for key in (prefix + name for name in _GATES):
+                if torch.is_tensor(state_dict.get(key)):
+                    state_dict[key] = _logit_to_distance(state_dict[key])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

@@ -90,6 +90,28 @@ def _image(ptr, b, size):
 
 
 @triton.jit
+def _row_tile(ptr, H, W, C, TILE: tl.constexpr, C_BLOCK: tl.constexpr):
+    """The tile of program (row = b * H + i, block) of a pass over token rows: b, i, the columns
+    j, their validity, the tokens within the image, and the tokens of ``ptr`` as float32."""
+    row, block = tl.program_id(0), tl.program_id(1)
+    b, i = row // H, row % H
+    j = block * TILE + tl.arange(0, TILE)
+    valid = j < W
+    tokens = i * W + j
+    x, mask = _load_tokens(_image(ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
+    return b, i, j, valid, tokens, x, mask
+
+
+@triton.jit
+def _cell_row(ci, cj, r, pool, H, W, S_BLOCK: tl.constexpr):
+    """The tokens (within the image) of token row r of cell (ci, cj), and which are real."""
+    j = cj * pool + tl.arange(0, S_BLOCK)
+    i = ci * pool + r
+    valid = (j < W) & (tl.arange(0, S_BLOCK) < pool) & (i < H)
+    return i * W + j, valid
+
+
+@triton.jit
 def _ln_statistics(x, mask, C, n_var):
     """Eq. 2 per token: the mean, and the variance about it divided by n_var (two passes)."""
     mean = tl.sum(x, axis=1) / C
@@ -174,12 +196,8 @@ def _cell_statistics_kernel(x_ptr, mean_ptr, var_ptr, cell_mean_ptr, cell_m2_ptr
             count = tl.zeros([C_BLOCK], tl.float32)
             mean = tl.zeros([C_BLOCK], tl.float32)
             m2 = tl.zeros([C_BLOCK], tl.float32)
-            j = cj * pool + tl.arange(0, S_BLOCK)
-            in_cell = (j < W) & (tl.arange(0, S_BLOCK) < pool)
             for r in range(0, pool):
-                i = ci * pool + r
-                valid = in_cell & (i < H)
-                tokens = i * W + j
+                tokens, valid = _cell_row(ci, cj, r, pool, H, W, S_BLOCK)
                 x, mask = _load_tokens(x_image, tokens, valid, C, C_BLOCK)
                 mu, var = _ln_statistics(x, mask, C, n_var)
                 tl.store(_image(mean_ptr, b, H * W) + tokens, mu, mask=valid)
@@ -222,13 +240,17 @@ def statistics(x, grid, n_var):
     return mean_ln, var_ln, (cell_mean, cell_m2)
 
 
-def _statistics_spec(C, pool):
+def _walk_spec(token_kernel, cell_kernel, C, pool):
+    """(kernel, constexprs, num_warps) of a pass that walks the tokens of an image (no pooling)
+    or the cells of a cell row."""
     if pool == 1:
-        return (_token_statistics_kernel, dict(TILE=_tile(C), TILES=_tiles(C),
-                                               C_BLOCK=_c_block(C)), _warps(C))
-    return (_cell_statistics_kernel, dict(CELLS=CELLS_PER_PROGRAM,
-                                          S_BLOCK=triton.next_power_of_2(pool),
-                                          C_BLOCK=_c_block(C)), _warps(C))
+        return token_kernel, dict(TILE=_tile(C), TILES=_tiles(C), C_BLOCK=_c_block(C)), _warps(C)
+    return (cell_kernel, dict(CELLS=CELLS_PER_PROGRAM, S_BLOCK=triton.next_power_of_2(pool),
+                              C_BLOCK=_c_block(C)), _warps(C))
+
+
+def _statistics_spec(C, pool):
+    return _walk_spec(_token_statistics_kernel, _cell_statistics_kernel, C, pool)
 
 
 # ---------------------------------------------------------------------------- output
@@ -237,12 +259,7 @@ def _output_kernel(x_ptr, mean_ptr, var_ptr, first_ptr, second_ptr, centre_ptr, 
                    weight_ptr, bias_ptr, y_ptr, H, W, C, pool, d, sb, si, sj, sh, eps,
                    RAW: tl.constexpr, TILE: tl.constexpr, C_BLOCK: tl.constexpr):
     """Eqs. 4 and 5 for TILE tokens of token row i of image b."""
-    row, block = tl.program_id(0), tl.program_id(1)
-    b, i = row // H, row % H
-    j = block * TILE + tl.arange(0, TILE)
-    valid = j < W
-    tokens = i * W + j
-    x, mask = _load_tokens(_image(x_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
+    b, i, j, valid, tokens, x, mask = _row_tile(x_ptr, H, W, C, TILE, C_BLOCK)
     cols = tl.arange(0, C_BLOCK)
     cell = _cell_offsets(i // pool, j // pool, cols, d, si, sj, sh)
     first, var_it = _inter_token(_image(first_ptr, b, sb), _image(second_ptr, b, sb), cell, mask,
@@ -286,6 +303,13 @@ def _token_terms(x, g, mean_ln, var_ln, first, var_it, centre, lam_m, kap_m, lam
 
 
 @triton.jit
+def _zero_sums(C_BLOCK: tl.constexpr):
+    """The six sums of a program (see :func:`_store_sums`), zero."""
+    zero = tl.zeros([C_BLOCK], tl.float32)
+    return zero, zero, zero, zero, zero, zero
+
+
+@triton.jit
 def _store_sums(partial_ptr, program, C, xg, g, mu_d1, var_d2, mit_d1, vit_d2,
                 C_BLOCK: tl.constexpr):
     """The six sums over a program's tokens (see function.parameter_gradients) at row
@@ -313,12 +337,7 @@ def _token_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, first_ptr, second_p
     cols = tl.arange(0, C_BLOCK)
     centre = tl.load(centre_ptr + b * C + cols, mask=cols < C, other=0.0)[None, :]
     lam_m, kap_m, lam_v, kap_v, weight = _channel_rows(ratios_ptr, weight_ptr, C, C_BLOCK)
-    s_xg = tl.zeros([C_BLOCK], tl.float32)
-    s_g = tl.zeros([C_BLOCK], tl.float32)
-    s_mu = tl.zeros([C_BLOCK], tl.float32)
-    s_var = tl.zeros([C_BLOCK], tl.float32)
-    s_mit = tl.zeros([C_BLOCK], tl.float32)
-    s_vit = tl.zeros([C_BLOCK], tl.float32)
+    s_xg, s_g, s_mu, s_var, s_mit, s_vit = _zero_sums(C_BLOCK)
     for t in range(TILES):
         tokens = (p * TILES + t) * TILE + tl.arange(0, TILE)
         valid = tokens < N
@@ -361,12 +380,7 @@ def _cell_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, first_ptr, second_pt
     cmask = cols < C
     centre = tl.load(centre_ptr + b * C + cols, mask=cmask, other=0.0)
     lam_m, kap_m, lam_v, kap_v, weight = _channel_rows(ratios_ptr, weight_ptr, C, C_BLOCK)
-    s_xg = tl.zeros([C_BLOCK], tl.float32)
-    s_g = tl.zeros([C_BLOCK], tl.float32)
-    s_mu = tl.zeros([C_BLOCK], tl.float32)
-    s_var = tl.zeros([C_BLOCK], tl.float32)
-    s_mit = tl.zeros([C_BLOCK], tl.float32)
-    s_vit = tl.zeros([C_BLOCK], tl.float32)
+    s_xg, s_g, s_mu, s_var, s_mit, s_vit = _zero_sums(C_BLOCK)
     for c in range(CELLS):
         cj = block * CELLS + c
         if cj < Wp:
@@ -376,12 +390,8 @@ def _cell_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, first_ptr, second_pt
                                          cmask[None, :], False)
             cell_d1 = tl.zeros([C_BLOCK], tl.float32)
             cell_d2 = tl.zeros([C_BLOCK], tl.float32)
-            j = cj * pool + tl.arange(0, S_BLOCK)
-            in_cell = (j < W) & (tl.arange(0, S_BLOCK) < pool)
             for r in range(0, pool):
-                i = ci * pool + r
-                valid = in_cell & (i < H)
-                tokens = i * W + j
+                tokens, valid = _cell_row(ci, cj, r, pool, H, W, S_BLOCK)
                 x, mask = _load_tokens(_image(x_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
                 g, _ = _load_tokens(_image(g_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
                 mean_ln = tl.load(_image(mean_ptr, b, H * W) + tokens, mask=valid, other=0.0)
@@ -434,12 +444,7 @@ def token_gradients(g, x, mean_ln, var_ln, first, second, centre, ratios, weight
 
 
 def _gradients_spec(C, pool):
-    if pool == 1:
-        return (_token_gradients_kernel, dict(TILE=_tile(C), TILES=_tiles(C),
-                                              C_BLOCK=_c_block(C)), _warps(C))
-    return (_cell_gradients_kernel, dict(CELLS=CELLS_PER_PROGRAM,
-                                         S_BLOCK=triton.next_power_of_2(pool),
-                                         C_BLOCK=_c_block(C)), _warps(C))
+    return _walk_spec(_token_gradients_kernel, _cell_gradients_kernel, C, pool)
 
 
 # ---------------------------------------------------------------------------- backward pass 2
@@ -451,12 +456,7 @@ def _input_gradient_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, first_ptr, second_pt
                            C_BLOCK: tl.constexpr):
     """dx for TILE tokens of token row i of image b: D1 + x beta + alpha (the gradient of Eq. 2)
     + (dL/dT_0 + 2 (x - centre) dL/dT_1) / n, with D1 and the per-token sums recomputed."""
-    row, block = tl.program_id(0), tl.program_id(1)
-    b, i = row // H, row % H
-    j = block * TILE + tl.arange(0, TILE)
-    valid = j < W
-    tokens = i * W + j
-    x, mask = _load_tokens(_image(x_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
+    b, i, j, valid, tokens, x, mask = _row_tile(x_ptr, H, W, C, TILE, C_BLOCK)
     g, _ = _load_tokens(_image(g_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
     cols = tl.arange(0, C_BLOCK)
     ci, cj = i // pool, j // pool
