@@ -1,6 +1,8 @@
-"""The DTN backbones: registry builds, drop-in outputs, norm placement, gradients, checkpointing."""
+"""The DTN backbones: registry builds (mmdet, mmseg and mmpretrain scopes), drop-in outputs, norm
+placement, gradients, checkpointing."""
 import copy
 import dataclasses
+from importlib import import_module
 
 import pytest
 import torch
@@ -38,9 +40,9 @@ def build_pair(name, **dtn_kwargs):
     return stock, dtn
 
 
-@pytest.mark.parametrize('scope', ['mmdet', 'mmseg'])
+@pytest.mark.parametrize('scope', ['mmdet', 'mmseg', 'mmpretrain'])
 @pytest.mark.parametrize('name', list(CASES))
-def test_build_from_config_in_both_scopes_and_outputs_match_stock(tmp_path, scope, name):
+def test_build_from_config_in_every_scope_and_outputs_match_stock(tmp_path, scope, name):
     stock_cls, dtn_cls, kwargs = CASES[name]
     cfg_file = tmp_path / 'backbone_cfg.py'
     cfg_file.write_text(
@@ -48,8 +50,7 @@ def test_build_from_config_in_both_scopes_and_outputs_match_stock(tmp_path, scop
         f"default_scope = '{scope}'\n"
         f'model = dict(type={dtn_cls.__name__!r}, dual_patchnorm=True, **{kwargs!r})\n')
     cfg = Config.fromfile(str(cfg_file))
-    registry = {'mmdet': 'mmdet.registry', 'mmseg': 'mmseg.registry'}[scope]
-    MODELS = __import__(registry, fromlist=['MODELS']).MODELS
+    MODELS = import_module(f'{scope}.registry').MODELS
     with DefaultScope.overwrite_default_scope(scope):
         model = MODELS.build(cfg.model)
     assert type(model) is dtn_cls

@@ -1,7 +1,8 @@
 """Bad or missing datasets stop with clear errors; empty images and crowd annotations just work.
 
-Missing data root, missing or corrupt annotation file, an image listed but absent, a missing label
-map: ``mmdtn.datasets.check_datasets`` (run by tools/train.py and tools/test.py before the Runner
+Missing data root (COCO, ADE20K, ImageNet), missing or corrupt annotation file, an image listed
+but absent, a missing label map, class folders that do not match the config:
+``mmdtn.datasets.check_datasets`` (run by tools/train.py and tools/test.py before the Runner
 is built) raises an error naming the path and the expected layout. Images without annotations and
 crowd (RLE) annotations are valid COCO: mmdet's CocoDataset and CocoMetric handle them, checked
 here exactly (a perfect prediction scores AP 1, a detection on a crowd region is not a false
@@ -21,7 +22,8 @@ from mmengine.registry import init_default_scope
 from pycocotools import mask as mask_utils
 
 import mmdtn  # noqa: F401
-from mmdtn.datasets import DatasetFormatError, DatasetNotFoundError, check_datasets
+from mmdtn.datasets import (DatasetFormatError, DatasetNotFoundError, check_dataset_cfg,
+                            check_datasets)
 from tiny_datasets import CLASSES, CONFIGS, det_overrides, env_for_subprocess, make_coco, make_seg
 
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
@@ -71,6 +73,43 @@ def test_missing_ade20k_names_expected_layout(tmp_path, monkeypatch):
                      'data/ade/ADEChallengeData2016/images/validation/',
                      'data/ade/ADEChallengeData2016/annotations/validation/'):
         assert expected in msg
+
+
+def test_missing_imagenet_names_expected_layout(tmp_path, monkeypatch):
+    """The ImageNet configs without data/imagenet/: the error names the folders mmpretrain reads
+    and where ImageNet-1k comes from."""
+    monkeypatch.chdir(tmp_path)
+    cfg = Config.fromfile(osp.join(CONFIGS, 'imagenet', 'pvt-t-dtn_8xb128_in1k.py'))
+    with pytest.raises(DatasetNotFoundError) as e:
+        check_datasets(cfg, ['train', 'val', 'test'])
+    msg = str(e.value)
+    assert "dataset (data root) not found: 'data/imagenet'" in msg
+    for expected in ('data/imagenet/train/', 'data/imagenet/val/', 'ILSVRC2012_img_train.tar',
+                     'meta/train.txt'):
+        assert expected in msg, msg
+
+
+def test_imagenet_class_folders_must_match_the_config(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for split in ('train', 'val'):
+        os.makedirs(tmp_path / 'data' / 'imagenet' / split / 'n01440764')
+    cfg = Config.fromfile(osp.join(CONFIGS, 'imagenet', 'pvt-t-dtn_8xb128_in1k.py'))
+    with pytest.raises(DatasetFormatError, match=r'data/imagenet/train/ holds 1 class folders, '
+                       r'expected 1000'):
+        check_datasets(cfg, ['train'])
+
+
+def test_classification_classes_in_another_order_than_mmpretrains_labels(tmp_path):
+    """mmpretrain's CustomDataset labels class folders in sorted order whatever the config's
+    classes say: classes listed in another order would name every label wrongly."""
+    for name in ('cat', 'ant'):
+        os.makedirs(tmp_path / 'train' / name)
+    ds = dict(type='CustomDataset', data_root=str(tmp_path), data_prefix='train',
+              metainfo=dict(classes=('cat', 'ant')))
+    with pytest.raises(DatasetFormatError, match=r'sorted order \(ant, cat\); list the classes in '
+                       r'that order, not cat, ant'):
+        check_dataset_cfg(ds, scope='mmpretrain')
+    check_dataset_cfg(dict(ds, metainfo=dict(classes=('ant', 'cat'))), scope='mmpretrain')
 
 
 def test_valid_tiny_coco_passes(coco):

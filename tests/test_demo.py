@@ -1,8 +1,16 @@
-"""The CPU demo: the synthetic shapes generator and a shortened ``tools/demo.py`` run.
+"""The CPU demo: the synthetic shapes generator, a shortened ``tools/demo.py`` run, and the pieces
+of ``tools/demo.py --pretrain``.
 
 The short run trains Mask R-CNN PVT-Tiny-DTN from scratch for 150 of the demo's 500 iterations
-and must reach a bbox and segm AP that an untrained model cannot reach.
+and must reach a bbox and segm AP that an untrained model cannot reach. The pretraining route is
+checked piece by piece (each piece runs whole in the tools' tests and in the measured demo): the
+shape crops are an mmpretrain classification set whose labels are the source annotations', and a
+classifier checkpoint of the demo's pretraining config starts the demo detector's backbone with
+every tensor, DTN's gates and positional coefficients included, carried over.
 """
+import collections
+import copy
+import importlib.util
 import json
 import os
 import os.path as osp
@@ -11,9 +19,15 @@ import sys
 
 import numpy as np
 import pytest
+import torch
+from mmengine.registry import init_default_scope
+from mmengine.runner.checkpoint import save_checkpoint
+from PIL import Image
 from pycocotools.coco import COCO
 
+from mmdtn.datasets import check_datasets, generate_shape_crops
 from mmdtn.datasets.synthetic_shapes import SHAPE_CLASSES, ShapesSpec, generate_shapes_dataset
+from mmdtn.models.layers import DTN_ONLY_PARAMETERS
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 SMALL = dict(num_train=6, num_val=3, image_size=(96, 64), seed=3)
@@ -102,3 +116,118 @@ def test_short_demo_run_learns(tmp_path):
     drawn = sorted(os.listdir(work_dir / 'predictions'))
     assert len(drawn) == 2 and all(name.endswith('.png') for name in drawn)
     assert (work_dir / 'predictions.png').is_file() and (work_dir / 'losses.png').is_file()
+
+
+def demo_tool():
+    """The module of tools/demo.py."""
+    spec = importlib.util.spec_from_file_location('demo_tool', osp.join(ROOT, 'tools', 'demo.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CROPS = dict(shapes=dict(num_train=4, num_val=2, seed=5), crop_size=32)
+
+
+def files_under(root):
+    return sorted(osp.relpath(osp.join(d, f), root) for d, _, names in os.walk(root)
+                  for f in names)
+
+
+def test_shape_crops_are_a_classification_set_of_the_annotated_shapes(tmp_path):
+    from mmpretrain.datasets import CustomDataset
+
+    a = generate_shape_crops(tmp_path / 'a', progress=False, **CROPS)
+    b = generate_shape_crops(tmp_path / 'b', progress=False, **CROPS)
+    assert files_under(a['root']) == files_under(b['root'])
+    for name in files_under(a['root']):
+        assert read(osp.join(a['root'], name)) == read(osp.join(b['root'], name))
+    mtime = os.stat(osp.join(a['root'], 'meta.json')).st_mtime_ns  # reused as it is
+    generate_shape_crops(tmp_path / 'a', progress=False, **CROPS)
+    assert os.stat(osp.join(a['root'], 'meta.json')).st_mtime_ns == mtime
+
+    source = osp.join(a['root'], 'source', 'annotations')
+    for split in ('train', 'val'):
+        # one crop per annotated shape, in the folder of its class
+        coco = COCO(osp.join(source, f'instances_{split}.json'))
+        expected = collections.Counter(SHAPE_CLASSES[ann['category_id'] - 1]
+                                       for ann in coco.dataset['annotations'])
+        assert sorted(os.listdir(a[split])) == sorted(SHAPE_CLASSES)
+        assert {c: len(os.listdir(osp.join(a[split], c))) for c in SHAPE_CLASSES} == \
+            {c: expected[c] for c in SHAPE_CLASSES}
+        # read by mmpretrain's own folder dataset, labelled by folder
+        dataset = CustomDataset(data_root=a['root'], data_prefix=split,
+                                metainfo=dict(classes=a['classes']), pipeline=[])
+        assert len(dataset) == sum(expected.values())
+        for info in dataset:
+            path = info['img_path']
+            assert a['classes'][info['gt_label']] == osp.basename(osp.dirname(path))
+            with Image.open(path) as im:
+                assert im.size == (32, 32) and im.mode == 'RGB'
+    with pytest.raises(ValueError, match='crop_size must be >= 8'):
+        generate_shape_crops(tmp_path / 'c', progress=False, shapes=CROPS['shapes'], crop_size=4)
+
+
+def test_classifier_checkpoint_starts_the_demo_detector(tmp_path):
+    """The demo's pretraining config (through tools/demo.py's settings) on the generated crops,
+    saved as mmengine saves it, then loaded by the demo detector as tools/demo.py configures it:
+    every backbone tensor is the classifier's (DTN's gates and positional coefficients, perturbed
+    here so that an initialisation cannot pass for them), PVT's position embeddings resampled
+    from the crops' grid by timm's function; on the crops' grid the backbone computes the
+    classifier backbone's features."""
+    from mmdet.registry import MODELS as DET_MODELS
+    from mmpretrain.registry import MODELS as CLS_MODELS
+    from timm.layers import resample_abs_pos_embed
+
+    demo = demo_tool()
+    args = demo.parse_args(['--pretrain', '--pretrain-iters', '3', '--data-root',
+                            str(tmp_path / 'shapes'), '--pretrain-data-root',
+                            str(tmp_path / 'crops'), '--work-dir', str(tmp_path / 'work')])
+    cls_cfg = demo.build_classifier_config(args, str(tmp_path / 'work' / 'classifier'))
+    assert cls_cfg.train_cfg.max_iters == 3 and cls_cfg.default_hooks.checkpoint.interval == 3
+    generate_shape_crops(args.pretrain_data_root, progress=False,
+                         **dict(cls_cfg.shape_crops_spec, **CROPS))
+    check_datasets(cls_cfg, ['train', 'val'])  # as the demo does before training
+
+    init_default_scope('mmpretrain')
+    torch.manual_seed(0)
+    classifier = CLS_MODELS.build(cls_cfg.model)
+    classifier.init_weights()
+    with torch.no_grad():
+        for p in classifier.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    cls_state = classifier.backbone.state_dict()
+    dtn_keys = [k for k in cls_state if k.rsplit('.', 1)[-1] in DTN_ONLY_PARAMETERS]
+    # (mean_gate, var_gate, pos_coef) x (norm1, norm2) x 2 layers x DTN's stages (1-3)
+    assert len(dtn_keys) == 3 * 2 * 2 * 3
+    checkpoint = str(tmp_path / 'classifier.pth')
+    save_checkpoint(dict(meta=dict(iter=3), state_dict=classifier.state_dict()), checkpoint)
+
+    init_default_scope('mmdet')
+    cfg = demo.start_from(demo.build_config(args), checkpoint)
+    assert cfg.model.backbone.init_cfg == dict(type='Pretrained', checkpoint=checkpoint)
+    detector = DET_MODELS.build(cfg.model)
+    detector.init_weights()
+    det_state = detector.backbone.state_dict()
+    assert sorted(det_state) == sorted(cls_state)
+    pos_keys = [k for k in cls_state if k.endswith('pos_embed')]
+    for key, value in cls_state.items():
+        if key in pos_keys:  # 64 x 64 crops -> 128 x 128 images: each grid doubled
+            side = int(value.shape[1]**0.5)
+            expected = resample_abs_pos_embed(value, [2 * side] * 2, [side] * 2,
+                                              num_prefix_tokens=0)
+            torch.testing.assert_close(det_state[key], expected, rtol=0, atol=0)
+        else:
+            assert torch.equal(det_state[key], value), key
+
+    # on the crops' grid: the same tensors and the same features
+    same_grid = copy.deepcopy(cfg.model.backbone)
+    same_grid.pretrain_img_size = cls_cfg.crop_size
+    backbone = DET_MODELS.build(same_grid)
+    backbone.init_weights()
+    assert all(torch.equal(backbone.state_dict()[k], v) for k, v in cls_state.items())
+    x = torch.randn(2, 3, cls_cfg.crop_size, cls_cfg.crop_size)
+    classifier.eval(), backbone.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(backbone(x)[3], classifier.backbone(x)[0], rtol=1e-5,
+                                   atol=1e-5)

@@ -111,6 +111,14 @@ def build_classifier_config(args, work_dir):
     return cfg
 
 
+def start_from(cfg, checkpoint):
+    """A copy of the detector config whose backbone starts from a classifier ``checkpoint``
+    (``init_cfg`` Pretrained: the backbone's weights, DTN's included; the head is dropped)."""
+    cfg = copy.deepcopy(cfg)
+    cfg.model.backbone.init_cfg = dict(type='Pretrained', checkpoint=checkpoint)
+    return cfg
+
+
 def format_table(results):
     """The COCO AP table (rows bbox / segm, columns AP, AP50, AP75, APs, APm, APl) as text.
 
@@ -264,10 +272,7 @@ def main(argv=None):
         phase_start = time.time()
         classifier = pretrain_backbone(args, osp.join(work_dir, 'classifier'))
         minutes['pretraining'] = (time.time() - phase_start) / 60
-        pretrained = copy.deepcopy(cfg)
-        pretrained.model.backbone.init_cfg = dict(type='Pretrained',
-                                                  checkpoint=classifier['checkpoint'])
-        runs = {'from scratch': cfg, 'pretrained': pretrained}
+        runs = {'from scratch': cfg, 'pretrained': start_from(cfg, classifier['checkpoint'])}
         for name, run_cfg in runs.items():
             run_cfg.work_dir = osp.join(work_dir, name.replace(' ', '_'))
     results, step = {}, 2 + args.pretrain

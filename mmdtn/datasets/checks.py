@@ -12,7 +12,8 @@ runs before the Runner is built (``tools/train.py`` and ``tools/test.py`` call i
 - :class:`DatasetFormatError` (a ``ValueError``) when an annotation file is not valid JSON, is
   truncated, lacks COCO's fields, or does not contain the classes the config trains on, or when an
   image classification folder (mmpretrain's ImageNet layout) has another number of class folders
-  than the config has classes.
+  than the config has classes, or the folders of the config's classes, which mmpretrain numbers in
+  sorted order, in another order.
 
 Images without annotations and crowd (RLE) annotations are valid COCO and pass; mmdet handles them
 (the former are skipped in training by ``filter_empty_gt``, the latter become ignored instances).
@@ -344,6 +345,11 @@ def _check_cls_dataset(ds: dict, cls, cfg) -> None:
     folders = [d for d in os.listdir(img_dir) if osp.isdir(osp.join(img_dir, d))]
     classes = (ds.get('metainfo') or {}).get('classes') or \
         (getattr(cls, 'METAINFO', None) or {}).get('classes')
+    if classes and set(folders) == set(classes) and sorted(folders) != list(classes):
+        raise DatasetFormatError(  # the labels would be right, the class names not
+            f'{osp.join(img_dir, "")}: mmpretrain numbers the class folders in sorted order '
+            f'({", ".join(sorted(folders))}); list the classes in that order, not '
+            f'{", ".join(classes)}.')
     if not folders or (classes and len(folders) != len(classes)):
         expected = f'{len(classes)} (one per class)' if classes else 'one per class'
         raise DatasetFormatError(

@@ -11,7 +11,7 @@ the same files, in the folder layout mmpretrain's ``CustomDataset`` (and ``Image
       train/circle/000000_0.png ...   train/square/ ...   (one folder per class)
       val/circle/ ...
       source/                         the synthetic shapes the crops are cut from
-      meta.json                       settings and crop counts (written last: marks the set complete)
+      meta.json                       settings and crop counts (written last: the set is complete)
 """
 import json
 import os
@@ -82,14 +82,15 @@ def generate_shape_crops(root, spec=None, progress=True, **kwargs):
     """Write the crops described by ``spec`` (or ``ShapeCropsSpec(**kwargs)``) under ``root``.
 
     Idempotent: a complete set with the same settings is reused as is. Returns a dict with
-    ``root``, ``classes`` and the crop folders ``train`` and ``val``.
+    ``root``, ``classes`` (in the order of mmpretrain's labels: its ``CustomDataset`` numbers the
+    class folders in sorted order) and the crop folders ``train`` and ``val``.
     """
     if spec is None:
         spec = ShapeCropsSpec(**kwargs)
     elif kwargs:
         raise ValueError(f'pass either spec or keyword settings, not both (got {sorted(kwargs)})')
     root = osp.abspath(root)
-    info = dict(root=root, classes=SHAPE_CLASSES,
+    info = dict(root=root, classes=tuple(sorted(SHAPE_CLASSES)),
                 **{split: osp.join(root, split) + os.sep for split in ('train', 'val')})
     if _is_complete(root, spec):
         return info
