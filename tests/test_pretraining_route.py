@@ -8,6 +8,7 @@ classifier's features in the detector's backbone.
 import argparse
 import copy
 import logging
+import logging.handlers
 import os.path as osp
 
 import pytest
@@ -43,24 +44,24 @@ DTN_PARAMETERS = ('weight', 'bias') + tuple(DTN_ONLY_PARAMETERS)
 
 
 # ---------------------------------------------------------------------------------- helpers
-class ListHandler(logging.Handler):
-
-    def __init__(self):
-        super().__init__()
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 @pytest.fixture
 def mmlogger_messages():
     """What the backbones' ``init_weights`` reports (to mmengine's current logger)."""
     logger = MMLogger.get_current_instance()
-    handler = ListHandler()
+    handler = logging.handlers.BufferingHandler(capacity=1 << 20)
     logger.addHandler(handler)
-    yield handler.messages
+    yield LoggedMessages(handler)
     logger.removeHandler(handler)
+
+
+class LoggedMessages:
+    """The messages a ``BufferingHandler`` holds, iterated as strings."""
+
+    def __init__(self, handler):
+        self.handler = handler
+
+    def __iter__(self):
+        return (record.getMessage() for record in self.handler.buffer)
 
 
 def config(name):
