@@ -13,8 +13,6 @@ import os.path as osp
 
 import pytest
 import timm
-from timm.layers import DropPath
-from timm.utils import CheckpointSaver
 import torch
 import torch.nn.functional as F
 from mmdet.registry import MODELS as MMDET_MODELS
@@ -24,6 +22,8 @@ from mmengine.optim import build_optim_wrapper
 from mmpretrain.registry import MODELS as MMPRETRAIN_MODELS
 from mmpretrain.structures import DataSample
 from mmseg.registry import MODELS as MMSEG_MODELS
+from timm.layers import DropPath
+from timm.utils import CheckpointSaver
 
 import mmdtn.models.timm_dtn  # noqa: F401  (registers the timm DTN models: the documented import)
 from mmdtn.models.backbones import PyramidVisionTransformerDTN, SwinTransformerDTN
@@ -122,20 +122,25 @@ def assert_features_close(a, b, tol=1e-5):
         torch.testing.assert_close(p, q, rtol=tol, atol=tol, msg=lambda m: f'stage {i}: {m}')
 
 
-_TIMM_MODELS = {}
+@pytest.fixture(scope='module')
+def timm_model():
+    """``timm_model(name, **kwargs)``: a fresh copy of ``timm.create_model(name, **kwargs)``,
+    built once for the tests of this file."""
+    built = {}
 
+    def fresh_copy(name, **kwargs):
+        key = (name, tuple(sorted(kwargs.items())))
+        if key not in built:
+            built[key] = timm.create_model(name, **kwargs)
+        return copy.deepcopy(built[key])
 
-def timm_model(name, **kwargs):
-    """A fresh copy of ``timm.create_model(name, **kwargs)`` (built once per test session)."""
-    key = (name, tuple(sorted(kwargs.items())))
-    if key not in _TIMM_MODELS:
-        _TIMM_MODELS[key] = timm.create_model(name, **kwargs)
-    return copy.deepcopy(_TIMM_MODELS[key])
+    yield fresh_copy
+    built.clear()
 
 
 # ---------------------------------------------------------------------------------- timm
 @pytest.mark.parametrize('name', list(TIMM_DETECTORS))
-def test_timm_dtn_model_has_dtn_in_its_block_norms_and_trains(name):
+def test_timm_dtn_model_has_dtn_in_its_block_norms_and_trains(name, timm_model):
     """timm's own model with DTN in the block norms of the paper's stages and in no other norm;
     forward and backward at 224 x 224 and at a non-square size, a gradient for every DTN
     parameter. (That these are the detector's DTN layers, heads and pooling sizes included, is
@@ -211,7 +216,8 @@ def saved_by_timm_train(model, name, directory):
 
 
 @pytest.mark.parametrize('name', list(TIMM_DETECTORS))
-def test_timm_classifier_loads_into_the_detector_backbone(name, tmp_path, mmlogger_messages):
+def test_timm_classifier_loads_into_the_detector_backbone(name, timm_model, tmp_path,
+                                                          mmlogger_messages):
     """A checkpoint of timm's train.py: every DTN layer carried over (settings and parameters),
     the head dropped and reported, the same multi-scale features.
 
@@ -271,7 +277,7 @@ def test_mmpretrain_classifier_loads_into_the_dense_backbone(imagenet, dense, re
         assert_features_close(backbone(x), model.backbone(x))
 
 
-def test_mismatched_dtn_weights_are_an_error_naming_the_key(tmp_path):
+def test_mismatched_dtn_weights_are_an_error_naming_the_key(timm_model, tmp_path):
     """Classifiers pretrained with other DTN heads than the detector's do not load."""
     torch.save(timm_model('pvt_v2_b0_dtn', dtn_heads=2).state_dict(), tmp_path / 'timm.pth')
     with pytest.raises(ValueError, match=r'layers\.0\.1\.0\.norm1\.mean_gate: checkpoint \(2,\) '
@@ -284,7 +290,7 @@ def test_mismatched_dtn_weights_are_an_error_naming_the_key(tmp_path):
         pretrained_backbone('retinanet_pvtv2-b0-dtn_fpn_1x_coco', tmp_path / 'mmpretrain.pth')
 
 
-# ---------------------------------------------------------------------------------- LayerNorm start
+# ---------------------------------------------------------------------------- LayerNorm start
 def perturb_layernorms(model, seed=0):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -347,7 +353,7 @@ def test_layernorm_start_is_the_layernorm_model_then_its_gates_train(tmp_path):
             assert_features_close(backbone(x), features)
 
 
-# ---------------------------------------------------------------------------------- position embeddings
+# ---------------------------------------------------------------------------- position embeddings
 def resampled_by_interpolation(pos, grid):
     """(1, s*s, C) -> (1, H*W, C): bicubic with antialiasing on the square grid of the tokens."""
     side = int(pos.shape[1]**0.5)
@@ -356,13 +362,21 @@ def resampled_by_interpolation(pos, grid):
     return image.permute(0, 2, 3, 1).reshape(1, grid[0] * grid[1], -1)
 
 
+def randomise_position_embeddings(model):
+    model.init_weights()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith('pos_embed'):
+                p.normal_()
+    return model
+
+
 @pytest.mark.parametrize('pretrain_img_size', [(256, 320), 192])
 def test_pvt_position_embeddings_of_another_grid_are_resampled(pretrain_img_size, tmp_path,
                                                                mmlogger_messages):
     """PVT v1's per-stage ``pos_embed`` of a classifier pretrained at 224, in a backbone built
     for another ``pretrain_img_size`` (larger and non-square; smaller)."""
-    source = PyramidVisionTransformerDTN(num_layers=[1, 1, 1, 1])
-    source.init_weights()
+    source = randomise_position_embeddings(PyramidVisionTransformerDTN(num_layers=[1, 1, 1, 1]))
     torch.save(source.state_dict(), tmp_path / 'pvt_224.pth')
     model = PyramidVisionTransformerDTN(
         num_layers=[1, 1, 1, 1], pretrain_img_size=pretrain_img_size, convert_weights=False,
@@ -381,11 +395,10 @@ def test_pvt_position_embeddings_of_another_grid_are_resampled(pretrain_img_size
     assert model(torch.randn(1, 3, *size))[3].shape == (1, 512, size[0] // 32, size[1] // 32)
 
 
-def test_swin_absolute_position_embedding_is_resampled_and_bad_grids_named(tmp_path,
-                                                                          mmlogger_messages):
+def test_swin_absolute_position_embedding_is_resampled_and_bad_grids_named(
+        tmp_path, mmlogger_messages):
     swin = dict(embed_dims=48, depths=(2, 2, 2, 2), use_abs_pos_embed=True)
-    source = SwinTransformerDTN(**swin)
-    source.init_weights()
+    source = randomise_position_embeddings(SwinTransformerDTN(**swin))
     torch.save(source.state_dict(), tmp_path / 'swin_224.pth')
     model = SwinTransformerDTN(**swin, pretrain_img_size=256,
                                init_cfg=dict(type='Pretrained',
