@@ -56,7 +56,7 @@ def prepare_compiled_training(runner):
     it) with plain-dict parameter groups, and log what mmengine will compile. Does nothing when
     the config does not compile."""
     options = compile_options(runner.cfg)
-    if options is None:
+    if options is None or runner.optim_wrapper is None:  # no training: runner.train() says so
         return
     runner.optim_wrapper = runner.build_optim_wrapper(runner.optim_wrapper)
     replaced = plain_param_groups(runner.optim_wrapper)
