@@ -1,6 +1,6 @@
-"""``compile`` in a config: mmengine's Runner compiles ``model.train_step``, and what it needs to run.
+"""``compile`` in a config: mmengine's Runner compiles ``model.train_step``; what that needs.
 
-With ``compile = True`` (or a dict of ``torch.compile`` arguments, e.g. ``dict(backend='inductor')``)
+With ``compile = True`` (or a dict of ``torch.compile`` arguments, e.g. ``dict(backend='eager')``)
 mmengine's Runner wraps ``model.train_step`` in ``torch.compile`` when training starts. Dynamo
 cannot capture ``train_step`` in one graph (mmengine's ``stack_batch`` and mmdet's assigners and
 samplers break it), so it compiles what that step calls frame by frame: the data preprocessor, the
