@@ -74,7 +74,7 @@ def _vit_dtn(base: str, pretrained: bool, **kwargs) -> VisionTransformerDTN:
         len(blocks), model.embed_dim, blocks[0].attn.num_heads, dtn_layers=dtn_layers, **dtn_args)
     add_vit_dtn(blocks, BlockDTN, model.dtn_settings, model.num_prefix_tokens,
                 'VisionTransformerDTN')
-    model._register_load_state_dict_pre_hook(_reference_format)
+    model._register_load_state_dict_pre_hook(_reference_format, with_module=True)
     return model
 
 
