@@ -1,7 +1,6 @@
 """The analysis tools on the ViTs (mmseg's VisionTransformer and VisionTransformerDTN): attention
 distance over the patch grid with the class token left out, token magnitude of the patch tokens,
 DTN's P^h and gates."""
-import importlib.util
 import math
 import os.path as osp
 
@@ -11,18 +10,11 @@ import torch
 from mmdtn.analysis.attention import mha_output
 from mmdtn.analysis.capture import AttentionRecorder, NormRecorder, record
 from mmdtn.analysis.models import build_backbone, load_config, transformer_blocks
+from test_analysis import tool
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 #: ViT-S*'s ImageNet configs, shrunk: 3 layers (DTN in the first 2) on 32 x 32 images
 SMALL = "model = dict(backbone=dict(img_size=32, patch_size=8, num_layers=3{extra}))\n"
-
-
-def tool(name):
-    spec = importlib.util.spec_from_file_location(f'vit_analysis_{name}',
-                                                  osp.join(ROOT, 'tools', 'analysis', f'{name}.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope='module')

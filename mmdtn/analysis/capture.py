@@ -229,7 +229,8 @@ class AttentionRecorder(_Hooks):
 
     def _mha_hook(self, block, attention, record_cls=SRAttentionRecord):
         def hook(module, args, kwargs):
-            query, key = call_argument(args, kwargs, 0, 'query'), call_argument(args, kwargs, 1, 'key')
+            query = call_argument(args, kwargs, 0, 'query')
+            key = call_argument(args, kwargs, 1, 'key')
             if not module.batch_first:
                 query, key = query.transpose(0, 1), key.transpose(0, 1)
             self.records.append(record_cls(block, attention, query.detach(), key.detach(),

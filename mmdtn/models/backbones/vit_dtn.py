@@ -1,5 +1,5 @@
-"""Vision Transformer with Dynamic Token Normalization (Shao et al., ICLR 2022, Table 1 and App. A.1)
-for mmsegmentation and mmpretrain.
+"""Vision Transformer with Dynamic Token Normalization (Shao et al., ICLR 2022, Table 1, App.
+A.1) for mmsegmentation and mmpretrain.
 
 mmseg's ``VisionTransformer`` with the two LayerNorms (``ln1``, ``ln2``) of its first l^dtn encoder
 layers replaced by ``DynamicTokenNorm``; those layers run on the patch tokens only and pass the
