@@ -195,23 +195,28 @@ def norm_labels(model):
 def ln_twin_config(cfg):
     """The LayerNorm twin of a DTN config: the stock backbone type without the DTN/DPN settings.
 
-    ``PyramidVisionTransformerDTN`` -> ``PyramidVisionTransformer`` and so on; every setting the
-    stock class does not accept (``dtn_*``, ``dual_patchnorm``, ...) is removed. Returns ``None``
-    when the backbone is not a DTN backbone.
+    The stock backbone is the library class the DTN backbone derives from
+    (``PyramidVisionTransformerDTN`` -> mmdet's ``PyramidVisionTransformer``,
+    ``VisionTransformerDTN`` -> mmseg's ``VisionTransformer``), named with its library's scope
+    where the config's scope is another; every setting the stock class does not accept (``dtn_*``,
+    ``dual_patchnorm``, ...) is removed. Returns ``None`` when the backbone is not a DTN backbone.
     """
     import inspect
 
-    from mmdet.registry import MODELS
+    from mmengine.registry import MODELS
     twin = copy.deepcopy(cfg)
     backbone = twin.get('model', {}).get('backbone', None)
     if backbone is None or not str(backbone.get('type', '')).endswith('DTN'):
         return None
-    stock = str(backbone['type'])[:-len('DTN')].split('.')[-1]  # mmdet's class, from any scope
-    stock_cls = MODELS.get(stock)
-    if stock_cls is None:
-        return None
     scope = cfg.get('default_scope', None) or 'mmdet'
-    backbone['type'] = stock if scope == 'mmdet' else f'mmdet.{stock}'
+    with MODELS.switch_scope_and_registry(scope) as registry:
+        dtn_cls = registry.get(str(backbone['type']))
+    if dtn_cls is None:
+        return None
+    stock_cls = dtn_cls.__bases__[-1]  # the DTN backbones: (mixins..., stock backbone)
+    library = stock_cls.__module__.split('.')[0]
+    backbone['type'] = stock_cls.__name__ if scope == library \
+        else f'{library}.{stock_cls.__name__}'
     accepted = set()
     for klass in stock_cls.__mro__:
         if '__init__' in vars(klass):
