@@ -245,3 +245,15 @@ def test_traffic_counts_of_the_layer_benchmark():
     forward, backward = counts['DTN triton']
     assert forward.by_kernel['triton.output'] >= 2 * x_bytes
     assert backward.by_kernel['triton.input_gradient'] >= 3 * x_bytes
+
+
+def test_fused_bound_of_the_layer_benchmark():
+    """The bound of a fused DTN: x twice and y once forward, dL/dy and x twice and dx once
+    backward; with pooling also the float32 cell moments (2 C values per cell), written and read
+    once forward and four times in all backward."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'tools',
+                                    'analysis'))
+    from benchmark_norm import fused_bound
+    assert fused_bound(64, 1, 2) == (3 * 128, 5 * 128)
+    assert fused_bound(64, 4, 2) == (3 * 128 + 2 * 32, 5 * 128 + 4 * 32)
+    assert fused_bound(128, 2, 4) == (3 * 512 + 2 * 256, 5 * 512 + 4 * 256)

@@ -14,7 +14,8 @@ Shapes: the stages of PVT-Tiny and of Swin-T for an 800 x 1344 input (B = 2; PVT
    meta tensors (shapes without data; its kernels are then recorded, not launched).
 2. The traffic model of the Triton backend: bytes per token of every kernel and of the PyTorch
    operations between them (the positional products of the cells), forward and backward, beside
-   LayerNorm's, for the tokens' dtype; from the same counts, so on any device.
+   LayerNorm's, for the tokens' dtype; from the same counts, so on any device; beside them the
+   bound of a design fused as far as the math allows (:func:`fused_bound`).
 3. Time and peak memory of forward + backward: median over repeats, the normalisers timed in turn
    within every repeat; wall-clock time, or with ``--clock cpu`` the CPU time of the process.
    Memory: the peak of the tensor memory allocated during forward + backward above what was live
@@ -229,11 +230,28 @@ def traffic_table(args, device, backends, progress):
     return counts
 
 
+def fused_bound(C, pool, element_size):
+    """Bytes per token, (forward, backward), that a DTN fused as far as the math allows must move:
+    x read twice and y written forward; g and x read twice and dx written backward. With pooling,
+    Eq. 5's inter-token moments are per cell and channel (first and second, float32: 2 C 4 bytes
+    per cell); they are written once and read once forward (the products fused into the read), and
+    backward m is read twice, dL/dm written and read back. Without pooling every cell is a token
+    and the moments need not be stored: a kernel forms them from x's neighbours on chip."""
+    tokens = C * element_size
+    if pool == 1:
+        return 3 * tokens, 5 * tokens
+    moments = 2 * C * 4 / pool**2
+    return 3 * tokens + 2 * moments, 5 * tokens + 4 * moments
+
+
 def model_table(args, counts):
-    """Bytes per token of every Triton kernel and of the PyTorch operations between them."""
+    """Bytes per token of every Triton kernel and of the PyTorch operations between them, beside
+    the bound of a fused design (:func:`fused_bound`)."""
     print(f'\nTraffic of the Triton backend per token, {args.dtype} tokens (statistics in '
           'float32), bytes read + written; targets: forward <= 1.5x and backward <= 2x '
-          "LayerNorm's with pooling, <= 2x and <= 3x without")
+          "LayerNorm's with pooling, <= 2x and <= 3x without; bound: what a design fused as far "
+          'as the math allows moves')
+    element_size = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
     for model, stage, C, H, W, pool, heads in STAGES:
         label = stage_label(model, stage, C, H, W, pool)
         if (label, 'DTN triton') not in counts:
@@ -241,14 +259,16 @@ def model_table(args, counts):
         tokens = args.batch * H * W
         ln = counts[label, 'LN']
         print(f'  {label}')
-        for pass_, dtn, ln_pass, target in zip(('forward', 'backward'), counts[label, 'DTN triton'],
-                                              ln, (1.5, 2.0) if pool > 1 else (2.0, 3.0)):
+        for pass_, dtn, ln_pass, target, bound in zip(
+                ('forward', 'backward'), counts[label, 'DTN triton'], ln,
+                (1.5, 2.0) if pool > 1 else (2.0, 3.0), fused_bound(C, pool, element_size)):
             parts = ', '.join(f'{k.replace("triton.", "")} {v / tokens:.0f}'
                               for k, v in sorted(dtn.by_kernel.items()))
-            ratio = dtn.bytes / ln_pass.bytes
+            ratio, ln_per_token = dtn.bytes / ln_pass.bytes, ln_pass.bytes / tokens
             print(f'    {pass_:<9} {dtn.bytes / tokens:>7.0f} B/token = {parts}; LayerNorm '
-                  f'{ln_pass.bytes / tokens:.0f}: {ratio:.2f}x (target {target}x: '
-                  f"{'met' if ratio <= target else 'not met'})")
+                  f'{ln_per_token:.0f}: {ratio:.2f}x (target {target}x: '
+                  f"{'met' if ratio <= target else 'not met'}; bound {bound:.0f} B/token, "
+                  f'{bound / ln_per_token:.2f}x)')
 
 
 def time_table(args, device, names, progress):
