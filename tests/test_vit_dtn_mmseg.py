@@ -13,7 +13,7 @@ import mmdtn  # noqa: F401
 import mmdtn.models.timm_dtn  # noqa: F401
 from mmdtn import VisionTransformerDTN
 from mmdtn.models.backbones.pretrained import load_pretrained, vit_checkpoint_to_mmseg
-from mmdtn.models.dtn_stages import BlockGridTokenNorm
+from mmdtn.models.layers import DynamicTokenNorm
 from test_vit_dtn import authors_checkpoint, authors_vit
 
 ARCH = dict(img_size=32, patch_size=8, embed_dims=32, num_layers=3, num_heads=4)
@@ -68,7 +68,7 @@ def test_layernorm_init_equals_the_stock_backbone(with_cls_token):
     dtn = VisionTransformerDTN(**args, **DTN, dtn_init='layernorm')
     missing = dtn.load_state_dict(stock.state_dict(), strict=False).missing_keys
     assert sorted({k.rsplit('.', 1)[1] for k in missing}) == ['mean_gate', 'pos_coef', 'var_gate']
-    assert [isinstance(layer.ln1, BlockGridTokenNorm) for layer in dtn.layers] == \
+    assert [type(layer.ln1) is DynamicTokenNorm for layer in dtn.layers] == \
         [True, True, False]
     img = torch.randn(2, 3, 48, 40)  # not the training size: position embeddings interpolated
     stock.eval()  # (mmseg's train() returns None)
@@ -88,6 +88,9 @@ def test_arguments_and_outputs_of_the_stock_backbone():
     assert model.layers[2].ln1.weight.requires_grad
     out = model(torch.randn(1, 3, 32, 32))
     assert len(out) == 1 and out[0].shape == (1, 32, 4, 4)
+    checkpointed = VisionTransformerDTN(**ARCH, with_cp=True).train()
+    checkpointed(torch.randn(1, 3, 32, 40))[0].sum().backward()  # grid of this very call
+    assert checkpointed.layers[0].ln1.var_gate.grad is not None
     with pytest.raises(ValueError, match='dtn_layers .* got 5'):
         VisionTransformerDTN(**ARCH, dtn_layers=5)
 

@@ -76,8 +76,8 @@ class BlockGridTokenNorm(DynamicTokenNorm):
         hw_shape = self.hw_shape if hw_shape is None else hw_shape
         if hw_shape is None:
             raise ValueError(f'{type(self).__name__} got tokens of shape {tuple(x.shape)} and no '
-                             'grid: it runs inside a timm block converted by mmdtn, which records '
-                             'the grid of its input')
+                             'grid: it runs inside a block converted by mmdtn (timm, or mmseg\'s '
+                             'ViT), whose model records the grid of its input')
         return super().forward(x, hw_shape)
 
 

@@ -71,15 +71,21 @@ def vit_dtn_settings(num_layers: int,
 class PatchTokenBlockMixin:
     """Mixed in before a stock ViT block: its DTN norms see the patch grid only.
 
-    The block runs on the patch tokens; its ``num_prefix_tokens`` first tokens (class token,
-    register tokens) pass through unchanged. Subclasses set :attr:`stock_block`, and
-    :meth:`norm_names` where the block keeps its norms under other names.
+    The block runs on the patch tokens (:meth:`forward_patches`, by default the stock forward);
+    its ``num_prefix_tokens`` first tokens (class token, register tokens) pass through unchanged.
+    Subclasses set :attr:`stock_block`, :meth:`norm_names` where the block keeps its norms under
+    other names, and :attr:`norm_cls`: a ``BlockGridTokenNorm`` where the stock forward calls
+    ``norm(x)``, or ``DynamicTokenNorm`` where :meth:`forward_patches` passes :attr:`hw_shape`.
     """
 
     #: the stock block class this DTN block derives from (set by subclasses)
     stock_block: type = None
+    #: the class of the DTN norms
+    norm_cls: type = BlockGridTokenNorm
     #: tokens before the patches, which the block passes through
     num_prefix_tokens: int = 0
+    #: (H, W) patch grid of the current input (:func:`set_patch_grid`)
+    hw_shape = None
 
     @staticmethod
     def norm_names(block: nn.Module) -> Sequence[str]:
@@ -94,7 +100,7 @@ class PatchTokenBlockMixin:
             raise TypeError(f'{cls.__name__}.convert expects a {cls.stock_block.__name__}, '
                             f'got {type(block).__name__}')
         for name in cls.norm_names(block):
-            setattr(block, name, settings.norm_like(getattr(block, name), BlockGridTokenNorm))
+            setattr(block, name, settings.norm_like(getattr(block, name), cls.norm_cls))
         block.__class__ = cls
         block.num_prefix_tokens = num_prefix_tokens
         return block
@@ -102,8 +108,12 @@ class PatchTokenBlockMixin:
     def forward(self, x, *args, **kwargs):
         n = self.num_prefix_tokens
         if not n:
-            return super().forward(x, *args, **kwargs)
-        return torch.cat([x[:, :n], super().forward(x[:, n:], *args, **kwargs)], dim=1)
+            return self.forward_patches(x, *args, **kwargs)
+        return torch.cat([x[:, :n], self.forward_patches(x[:, n:], *args, **kwargs)], dim=1)
+
+    def forward_patches(self, x, *args, **kwargs):
+        """The block on patch tokens alone: the stock forward."""
+        return super().forward(x, *args, **kwargs)
 
 
 def add_vit_dtn(blocks: Sequence[nn.Module], block_cls: type,
@@ -120,10 +130,10 @@ def add_vit_dtn(blocks: Sequence[nn.Module], block_cls: type,
 
 
 def set_patch_grid(model: nn.Module, hw_shape: Sequence[int]) -> None:
-    """Tell the DTN norms of ``model`` the (H, W) patch grid of the input that is running."""
+    """Tell the DTN blocks and norms of ``model`` the (H, W) patch grid of the running input."""
     hw_shape = tuple(int(s) for s in hw_shape)
     for module in model.modules():
-        if isinstance(module, BlockGridTokenNorm):
+        if isinstance(module, (BlockGridTokenNorm, PatchTokenBlockMixin)):
             module.hw_shape = hw_shape
 
 

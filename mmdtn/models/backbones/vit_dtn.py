@@ -11,20 +11,33 @@ from typing import Optional, Sequence, Union
 from mmseg.models.backbones.vit import TransformerEncoderLayer, VisionTransformer
 
 from mmdtn.registry import register_model
+from ..layers import DynamicTokenNorm
 from ..vit_dtn import PatchTokenBlockMixin, add_vit_dtn, set_patch_grid, vit_dtn_settings
+from .dtn_blocks import TokenNormBlockMixin
 from .pretrained import load_pretrained, vit_checkpoint_to_mmseg
 
 __all__ = ['ViTEncoderLayerDTN', 'VisionTransformerDTN']
 
 
-class ViTEncoderLayerDTN(PatchTokenBlockMixin, TransformerEncoderLayer):
-    """mmseg's ``TransformerEncoderLayer`` with DTN, on the patch tokens only."""
+class ViTEncoderLayerDTN(PatchTokenBlockMixin, TokenNormBlockMixin, TransformerEncoderLayer):
+    """mmseg's ``TransformerEncoderLayer`` with DTN, on the patch tokens only, feeding the patch
+    grid to its norms; ``with_cp`` as in mmseg."""
 
     stock_block = TransformerEncoderLayer
+    norm_cls = DynamicTokenNorm
 
     @staticmethod
     def norm_names(block):
         return (block.norm1_name, block.norm2_name)
+
+    def forward_patches(self, x):
+        hw_shape = self.hw_shape
+
+        def inner_forward(x):
+            x = self.attn(self.norm1(x, hw_shape), identity=x)
+            return self.ffn(self.norm2(x, hw_shape), identity=x)
+
+        return self.run(inner_forward, x)
 
 
 @register_model
