@@ -125,7 +125,9 @@ def test_timm_route_loads_with_dtn_parameters(tmp_path, caplog):
 
 
 def test_mmpretrain_route_loads_with_dtn_parameters(tmp_path):
+    from mmengine.registry import init_default_scope
     from mmpretrain.registry import MODELS
+    init_default_scope('mmpretrain')  # whatever an earlier test set
     classifier = MODELS.build(dict(
         type='ImageClassifier',
         backbone=dict(type='VisionTransformerDTN', **ARCH, **DTN, final_norm=True,
