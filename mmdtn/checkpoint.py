@@ -8,12 +8,16 @@ and nothing else, keeping ``weights_only`` on:
 * the message hub's ``HistoryBuffer`` and the numpy arrays and scalars logged in it;
 * ``HistoryBuffer``'s statistics methods, which pickle as ``getattr(HistoryBuffer, 'min')``. Allowing
   the builtin ``getattr`` would let a crafted file reach arbitrary attributes, so ``builtins.getattr``
-  is mapped to :func:`restricted_getattr`, which resolves only those methods.
+  is mapped to :func:`restricted_getattr`, which resolves only those methods;
+* ``argparse.Namespace``, the command line that timm's train.py saves in its checkpoints (``args``),
+  so that they load into the backbones as they are. A namespace is rebuilt from its attribute dict,
+  whose values the unpickler restricts like any other.
 
 Checkpoints are also read through mmengine's ``CheckpointLoader`` with errors that name the file, and
 URL checkpoints (``http(s)://``, ``torchvision://``, ``open-mmlab://`` ...) are downloaded and then read
 by the same safe path instead of ``torch.hub``'s default unrestricted load.
 """
+import argparse
 import os
 import os.path as osp
 import pickle
@@ -68,7 +72,8 @@ def _numpy_globals():
 
 def safe_globals():
     """The globals allow-listed for mmengine checkpoints, as ``torch.serialization`` entries."""
-    return [HistoryBuffer, (restricted_getattr, 'builtins.getattr'), *_numpy_globals()]
+    return [HistoryBuffer, (restricted_getattr, 'builtins.getattr'), argparse.Namespace,
+            *_numpy_globals()]
 
 
 def safe_torch_load(filename, map_location=None):

@@ -3,6 +3,7 @@ from mmengine.runner import Runner
 
 from mmdtn.datasets import DatasetFormatError, DatasetNotFoundError, check_datasets
 from .cli import fail
+from .compile import prepare_compiled_training
 from .distributed import close_distributed, setup_distributed
 
 __all__ = ['build_runner', 'run']
@@ -51,8 +52,14 @@ def build_runner(cfg, launcher, phases):
 
 def run(runner, phase):
     """``runner.train()`` or ``runner.test()`` (``phase``), then close the process group, also
-    when the phase fails (see :func:`~.distributed.close_distributed`)."""
+    when the phase fails (see :func:`~.distributed.close_distributed`).
+
+    Training with ``compile`` in the config first gives the optimizer plain-dict parameter groups,
+    without which dynamo cannot compile its step (see :mod:`~.compile`).
+    """
     try:
+        if phase == 'train':
+            prepare_compiled_training(runner)
         return getattr(runner, phase)()
     finally:
         close_distributed()
