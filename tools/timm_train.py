@@ -7,7 +7,8 @@ train.py is timm's own (it is not part of the timm package: it lives in timm's r
 tag of the installed timm version). Every argument after its path goes to it unchanged; DTN's
 settings go through ``--model-kwargs`` (e.g. ``--model-kwargs dtn_init=layernorm``). The models:
 ``pvt_v2_b0_dtn``, ``pvt_v2_b1_dtn``, ``pvt_v2_b2_dtn``, ``swin_tiny_patch4_window7_224_dtn``
-(see mmdtn/models/timm_dtn.py).
+(see mmdtn/models/timm_dtn.py), ``vit_tiny_patch16_224_dtn``, ``vit_small_patch16_224_dtn``,
+``vit_base_patch16_224_dtn`` (mmdtn/models/timm_vit_dtn.py).
 """
 import os.path as osp
 import runpy

@@ -7,7 +7,9 @@
 # model is the demo's PVT-Tiny-DTN Mask R-CNN (configs/demo/mask_rcnn_pvt_tiny_dtn_shapes.py) and
 # the images are the first 8 of the demo's val split. Without checkpoints the figures show the
 # randomly initialised model; without the demo data, synthetic images. Complexity is PVT-Tiny-DTN
-# RetinaNet against its LN twin at 224 x 224, the paper's Table 2 setting.
+# RetinaNet against its LN twin at 224 x 224, the paper's Table 2 setting. The ViT figure is the
+# paper's Fig. 2 layout (mean attention distance per head and block, ViT-S* with DTN beside its LN
+# twin) for randomly initialised models on two synthetic 224 x 224 images.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
@@ -34,6 +36,8 @@ $PY tools/analysis/attention_distance.py $CONFIG $CKPT "${IMAGES[@]}" --out "$TM
 $PY tools/analysis/positional_attention.py $CONFIG $CKPT --size 128 128 --out "$TMP/positional"
 $PY tools/analysis/gates.py $CONFIG ${CKPT:+$([ "$NCKPT" -gt 1 ] && echo "$WORK" || echo "$CKPT")} --out "$TMP/gates"
 $PY tools/analysis/variation_coefficient.py $CONFIG $CKPT "${IMAGES[@]}" --out "$TMP/variation"
+$PY tools/analysis/attention_distance.py configs/imagenet/vit-s-star-dtn_4xb256_in1k.py --size 224 224 \
+    --compare configs/imagenet/vit-s-star-ln_4xb256_in1k.py --out "$TMP/vit_distance"
 
 cp "$TMP/complexity/complexity.png" $FIG/complexity.png
 cp "$TMP/magnitude/token_magnitude_stage1.block1.norm1.png" $FIG/token_magnitude.png
@@ -49,4 +53,5 @@ else
     cp "$TMP/gates/gates.png" $FIG/gates.png
 fi
 cp "$TMP/variation/variation_coefficient.png" $FIG/variation_coefficient.png
+cp "$TMP/vit_distance/attention_distance.png" $FIG/vit_attention_distance.png
 ls -l $FIG/*.png

@@ -3,8 +3,13 @@
 * :class:`NormRecorder`: input and output of every block norm (``norm1``/``norm2``, LayerNorm or
   DTN) with the block's ``hw_shape``.
 * :class:`AttentionRecorder`: the inputs of every attention module (PVT's spatial-reduction
-  attention, Swin's shifted-window attention), as :class:`SRAttentionRecord` /
-  :class:`WindowAttentionRecord` objects that recompute the weights and give token positions.
+  attention, Swin's shifted-window attention, a ViT's global attention), as
+  :class:`SRAttentionRecord` / :class:`WindowAttentionRecord` / :class:`GlobalAttentionRecord`
+  objects that recompute the weights and give token positions.
+
+In a ViT the blocks do not take the grid: it is the patch embedding's output grid, and the class
+token (which has no position) is left out of the records: norms record the patch tokens, and
+attention the patch queries' weights on the patch keys.
 
 Both are context managers; hooks are removed on exit. Records are cleared by :meth:`clear`.
 """
@@ -12,16 +17,10 @@ import torch
 
 from .attention import (grid_positions, mha_attention, reduced_cell_centres, window_attention,
                         window_positions)
-from .models import is_dtn, transformer_blocks
+from .models import call_argument, call_grid, is_dtn, transformer_blocks
 
 __all__ = ['NormRecord', 'NormRecorder', 'SRAttentionRecord', 'WindowAttentionRecord',
-           'AttentionRecorder', 'record']
-
-
-def _arg(args, kwargs, index, name):
-    if name in kwargs:
-        return kwargs[name]
-    return args[index] if len(args) > index else None
+           'GlobalAttentionRecord', 'AttentionRecorder', 'record']
 
 
 class _Hooks:
@@ -32,11 +31,23 @@ class _Hooks:
         self.records = []
         self.blocks = transformer_blocks(model)
         self._hw = {}
+        self._patch_grid = None  # a ViT's: the output grid of its patch embedding
+        patch_embed = getattr(model, 'patch_embed', None)
+        if isinstance(patch_embed, torch.nn.Module):
+            self._handles.append(patch_embed.register_forward_hook(self._patch_grid_hook))
+
+    def _patch_grid_hook(self, module, args, output):
+        if isinstance(output, tuple) and len(output) == 2:  # mmseg/mmdet: (tokens, hw_shape)
+            self._patch_grid = tuple(output[1])
+
+    def grid_of(self, block):
+        """The grid of ``block``'s current call: its ``hw_shape`` argument, else the patch grid."""
+        return self._hw.get(block.name) or self._patch_grid
 
     def _hw_hook(self, block, index):
         """Pre-hook keeping ``hw_shape`` (argument ``index``) of a call under the block's name."""
         def hook(module, args, kwargs):
-            self._hw[block.name] = _arg(args, kwargs, index, 'hw_shape')
+            self._hw[block.name] = call_argument(args, kwargs, index, 'hw_shape')
         return hook
 
     def clear(self):
@@ -82,9 +93,11 @@ class NormRecorder(_Hooks):
 
     def _norm_hook(self, block, norm_name):
         def hook(module, args, kwargs, output):
-            hw = _arg(args, kwargs, 1, 'hw_shape') or self._hw.get(block.name)
-            self.records.append(NormRecord(block, norm_name, module, args[0].detach(),
-                                           output.detach(), hw))
+            hw = call_grid(module, args, kwargs) or self.grid_of(block)
+            x, y = args[0].detach(), output.detach()
+            prefix = x.shape[1] - int(hw[0]) * int(hw[1])  # a ViT's class token
+            self.records.append(NormRecord(block, norm_name, module, x[:, prefix:],
+                                           y[:, prefix:], hw))
         return hook
 
 
@@ -126,6 +139,35 @@ class SRAttentionRecord:
             yield self.weights(start, stop), q_pos_all[start:stop], k_pos, None
 
 
+class GlobalAttentionRecord(SRAttentionRecord):
+    """Inputs of one call of a ViT's global attention; tokens before the patches (the class token)
+    attend and are attended to, but only the patch queries' weights on the patch keys are given
+    (those on the class token have no distance)."""
+    kind = 'global'
+
+    @property
+    def num_prefix_tokens(self):
+        return self.query.shape[1] - self.hw_shape[0] * self.hw_shape[1]
+
+    def key_positions(self):
+        return grid_positions(self.hw_shape, self.query.device)
+
+    @torch.no_grad()
+    def weights(self, start=0, stop=None):
+        """Attention (B, heads, nq, HW) of the patch queries ``start:stop`` on the patch keys."""
+        n = self.num_prefix_tokens
+        stop = None if stop is None else stop + n
+        return mha_attention(self.module.attn, self.query[:, start + n:stop], self.key)[..., n:]
+
+    @torch.no_grad()
+    def chunks(self, max_queries=2048):
+        pos = grid_positions(self.hw_shape, self.query.device)
+        n = pos.shape[0]
+        for start in range(0, n, max_queries):
+            stop = min(n, start + max_queries)
+            yield self.weights(start, stop), pos[start:stop], pos, None
+
+
 class WindowAttentionRecord:
     """Inputs of one call of Swin's (shifted) window attention: windows of the padded map."""
     kind = 'window'
@@ -162,6 +204,7 @@ class AttentionRecorder(_Hooks):
 
     def __init__(self, model):
         super().__init__(model)
+        from mmcv.cnn.bricks.transformer import MultiheadAttention
         from mmdet.models.backbones.pvt import SpatialReductionAttention
         from mmdet.models.backbones.swin import ShiftWindowMSA
         for block in self.blocks:
@@ -176,22 +219,27 @@ class AttentionRecorder(_Hooks):
                     self._hw_hook(block, 1), with_kwargs=True))
                 self._handles.append(attn.w_msa.register_forward_pre_hook(
                     self._window_hook(block, attn), with_kwargs=True))
+            elif type(attn) is MultiheadAttention:  # a ViT's (mmseg's TransformerEncoderLayer)
+                self._handles.append(attn.attn.register_forward_pre_hook(
+                    self._mha_hook(block, attn, GlobalAttentionRecord), with_kwargs=True))
             else:
                 raise ValueError(f'{block.name}: attention {type(attn).__name__} is not supported '
-                                 f'(SpatialReductionAttention or ShiftWindowMSA)')
+                                 f'(SpatialReductionAttention, ShiftWindowMSA or a ViT\'s '
+                                 f'MultiheadAttention)')
 
-    def _mha_hook(self, block, sra):
+    def _mha_hook(self, block, attention, record_cls=SRAttentionRecord):
         def hook(module, args, kwargs):
-            query, key = _arg(args, kwargs, 0, 'query'), _arg(args, kwargs, 1, 'key')
+            query = call_argument(args, kwargs, 0, 'query')
+            key = call_argument(args, kwargs, 1, 'key')
             if not module.batch_first:
                 query, key = query.transpose(0, 1), key.transpose(0, 1)
-            self.records.append(SRAttentionRecord(block, sra, query.detach(), key.detach(),
-                                                  self._hw[block.name]))
+            self.records.append(record_cls(block, attention, query.detach(), key.detach(),
+                                           self.grid_of(block)))
         return hook
 
     def _window_hook(self, block, swmsa):
         def hook(module, args, kwargs):
-            mask = _arg(args, kwargs, 1, 'mask')
+            mask = call_argument(args, kwargs, 1, 'mask')
             self.records.append(WindowAttentionRecord(
                 block, swmsa, args[0].detach(), None if mask is None else mask.detach(),
                 self._hw[block.name]))

@@ -14,7 +14,7 @@ from torch import nn
 
 from mmdtn.models.layers import DTN_ONLY_PARAMETERS
 from mmdtn.models.layers.dtn.flops import dtn_flops
-from .models import count_parameters, dtn_layers
+from .models import call_grid, count_parameters, dtn_layers
 
 __all__ = ['DTNShapeRecorder', 'complexity', 'TensorForward', 'sdpa_flop_handle']
 
@@ -30,7 +30,7 @@ class DTNShapeRecorder:
     def _hook(self, name):
         def hook(module, args, kwargs):
             x = args[0]
-            hw = tuple(int(v) for v in (kwargs['hw_shape'] if 'hw_shape' in kwargs else args[1]))
+            hw = tuple(int(v) for v in call_grid(module, args, kwargs))
             self.layers.append(dict(name=name, batch=int(x.shape[0]), channels=int(x.shape[-1]),
                                     num_heads=int(module.num_heads), hw_shape=hw,
                                     pool_size=int(module.pool_size),

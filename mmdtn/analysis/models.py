@@ -20,7 +20,7 @@ from mmdtn.models.layers import DynamicTokenNorm
 __all__ = [
     'load_config', 'build_backbone', 'build_model', 'load_weights', 'dtn_layers', 'require_dtn',
     'transformer_blocks', 'Block', 'norm_labels', 'ln_twin_config', 'is_dtn', 'count_parameters',
-    'run'
+    'run', 'call_argument', 'call_grid', 'is_plain_vit'
 ]
 
 
@@ -149,17 +149,38 @@ class Block:
         return f'stage{self.stage + 1}.block{self.index + 1}'
 
 
+def is_plain_vit(model):
+    """Whether ``model`` is a plain (single-stage) ViT: mmseg's ``VisionTransformer`` or a
+    subclass (``VisionTransformerDTN``)."""
+    from mmseg.models.backbones import VisionTransformer
+    return isinstance(model, VisionTransformer)
+
+
+def call_grid(norm, args, kwargs):
+    """The (H, W) grid of a block norm's call: its ``hw_shape`` argument, else the grid a norm
+    called without it was told (``BlockGridTokenNorm``, e.g. in a ViT), else ``None``."""
+    hw = call_argument(args, kwargs, 1, 'hw_shape')
+    return hw if hw is not None else getattr(norm, 'hw_shape', None)
+
+
+def call_argument(args, kwargs, index, name):
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if len(args) > index else None
+
+
 def transformer_blocks(model):
     """Every transformer block of ``model`` in forward order, numbered within its stage.
 
     The stage is the first integer of the block's name (``layers.0.1.2`` -> stage 0 in PVT,
-    ``stages.1.blocks.0`` -> stage 1 in Swin).
+    ``stages.1.blocks.0`` -> stage 1 in Swin); a plain ViT's layers (``layers.5``) are one stage.
     """
     blocks, counts = [], {}
+    single_stage = is_plain_vit(model)
     for name, m in model.named_modules():
         if all(hasattr(m, a) for a in ('norm1', 'norm2', 'attn')):
             found = re.search(r'\d+', name)
-            stage = int(found.group()) if found else 0
+            stage = int(found.group()) if found and not single_stage else 0
             blocks.append(Block(name, m, stage, counts.get(stage, 0)))
             counts[stage] = counts.get(stage, 0) + 1
     return blocks
@@ -174,23 +195,28 @@ def norm_labels(model):
 def ln_twin_config(cfg):
     """The LayerNorm twin of a DTN config: the stock backbone type without the DTN/DPN settings.
 
-    ``PyramidVisionTransformerDTN`` -> ``PyramidVisionTransformer`` and so on; every setting the
-    stock class does not accept (``dtn_*``, ``dual_patchnorm``, ...) is removed. Returns ``None``
-    when the backbone is not a DTN backbone.
+    The stock backbone is the library class the DTN backbone derives from
+    (``PyramidVisionTransformerDTN`` -> mmdet's ``PyramidVisionTransformer``,
+    ``VisionTransformerDTN`` -> mmseg's ``VisionTransformer``), named with its library's scope
+    where the config's scope is another; every setting the stock class does not accept (``dtn_*``,
+    ``dual_patchnorm``, ...) is removed. Returns ``None`` when the backbone is not a DTN backbone.
     """
     import inspect
 
-    from mmdet.registry import MODELS
+    from mmengine.registry import MODELS
     twin = copy.deepcopy(cfg)
     backbone = twin.get('model', {}).get('backbone', None)
     if backbone is None or not str(backbone.get('type', '')).endswith('DTN'):
         return None
-    stock = str(backbone['type'])[:-len('DTN')].split('.')[-1]  # mmdet's class, from any scope
-    stock_cls = MODELS.get(stock)
-    if stock_cls is None:
-        return None
     scope = cfg.get('default_scope', None) or 'mmdet'
-    backbone['type'] = stock if scope == 'mmdet' else f'mmdet.{stock}'
+    with MODELS.switch_scope_and_registry(scope) as registry:
+        dtn_cls = registry.get(str(backbone['type']))
+    if dtn_cls is None:
+        return None
+    stock_cls = dtn_cls.__bases__[-1]  # the DTN backbones: (mixins..., stock backbone)
+    library = stock_cls.__module__.split('.')[0]
+    backbone['type'] = stock_cls.__name__ if scope == library \
+        else f'{library}.{stock_cls.__name__}'
     accepted = set()
     for klass in stock_cls.__mro__:
         if '__init__' in vars(klass):

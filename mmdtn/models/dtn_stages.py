@@ -14,8 +14,8 @@ import torch.nn as nn
 from .layers import DynamicTokenNorm
 from .layers.reference_compat import REFERENCE_EPS
 
-__all__ = ['DTN_ARGUMENTS', 'DTNStageSettings', 'dtn_stage_settings', 'default_pool_sizes',
-           'pvt_dtn_defaults', 'swin_dtn_defaults']
+__all__ = ['DTN_ARGUMENTS', 'BlockGridTokenNorm', 'DTNStageSettings', 'dtn_stage_settings',
+           'default_pool_sizes', 'pvt_dtn_defaults', 'swin_dtn_defaults']
 
 #: The arguments a DTN model takes besides its stock model's (:func:`dtn_stage_settings`'s).
 DTN_ARGUMENTS = ('dtn_stages', 'dtn_heads', 'dtn_pool_sizes', 'dtn_init', 'dtn_reference_compat')
@@ -56,6 +56,29 @@ class DTNStageSettings:
         if norm.bias is not None:
             dtn.bias.data.copy_(norm.bias.data)
         return dtn
+
+
+class BlockGridTokenNorm(DynamicTokenNorm):
+    """``DynamicTokenNorm`` called as ``norm(x)`` by a stock block that does not pass the grid.
+
+    Tokens (B, H, W, C) carry their grid; tokens (B, N, C) lie on the grid of the block's current
+    input, :attr:`hw_shape`, which the model records before its blocks run (timm's PVTv2 and Swin:
+    a forward pre-hook of each block; ViT: the model's position embedding step).
+    """
+
+    #: (H, W) of the current input of the block this norm belongs to
+    hw_shape = None
+
+    def forward(self, x, hw_shape=None):
+        if x.dim() == 4:
+            B, H, W, C = x.shape
+            return super().forward(x.reshape(B, H * W, C), (H, W)).reshape(B, H, W, C)
+        hw_shape = self.hw_shape if hw_shape is None else hw_shape
+        if hw_shape is None:
+            raise ValueError(f'{type(self).__name__} got tokens of shape {tuple(x.shape)} and no '
+                             'grid: it runs inside a block converted by mmdtn (timm, or mmseg\'s '
+                             'ViT), whose model records the grid of its input')
+        return super().forward(x, hw_shape)
 
 
 def _per_stage(value, num_stages: int, name: str) -> list:

@@ -14,7 +14,8 @@ block's input (PVTv2: its ``feat_size`` argument; Swin: its (B, H, W, C) tokens)
 train.py: ``--model-kwargs dtn_init=layernorm``). ``pretrained=True`` loads timm's LayerNorm
 ImageNet weights into the model before its norms are replaced: DTN takes their weight and bias.
 ``no_weight_decay()`` adds DTN's gates and positional coefficients, as mmdtn's configs do.
-``tools/timm_train.py`` runs timm's train.py with these models registered.
+``tools/timm_train.py`` runs timm's train.py with these models registered, and with the DTN ViTs
+of :mod:`mmdtn.models.timm_vit_dtn` (``vit_*_patch16_224_dtn``), which this module imports.
 """
 import functools
 from typing import Callable, List
@@ -25,32 +26,11 @@ from timm.models import generate_default_cfgs, get_pretrained_cfg, register_mode
 from timm.models.pvt_v2 import PyramidVisionTransformerV2
 from timm.models.swin_transformer import SwinTransformer
 
-from .dtn_stages import DTN_ARGUMENTS, dtn_stage_settings, pvt_dtn_defaults, swin_dtn_defaults
-from .layers import DTN_ONLY_PARAMETERS, DynamicTokenNorm
+from .dtn_stages import (DTN_ARGUMENTS, BlockGridTokenNorm, dtn_stage_settings, pvt_dtn_defaults,
+                         swin_dtn_defaults)
+from .layers import DTN_ONLY_PARAMETERS
 
 __all__ = ['BlockGridTokenNorm', 'PvtV2DTN', 'SwinDTN']
-
-
-class BlockGridTokenNorm(DynamicTokenNorm):
-    """``DynamicTokenNorm`` called as ``norm(x)`` by a timm block.
-
-    Tokens (B, H, W, C) carry their grid; tokens (B, N, C) lie on the grid of the block's current
-    input, :attr:`hw_shape`, which the block's forward pre-hook records.
-    """
-
-    #: (H, W) of the current input of the block this norm belongs to
-    hw_shape = None
-
-    def forward(self, x, hw_shape=None):
-        if x.dim() == 4:
-            B, H, W, C = x.shape
-            return super().forward(x.reshape(B, H * W, C), (H, W)).reshape(B, H, W, C)
-        hw_shape = self.hw_shape if hw_shape is None else hw_shape
-        if hw_shape is None:
-            raise ValueError(f'{type(self).__name__} got tokens of shape {tuple(x.shape)} and no '
-                             'grid: it runs inside a timm block converted by mmdtn, which records '
-                             'the grid of its input')
-        return super().forward(x, hw_shape)
 
 
 def _record_grid(grid_of: Callable, block: nn.Module, args, kwargs):
@@ -175,3 +155,6 @@ def swin_tiny_patch4_window7_224_dtn(pretrained=False, **kwargs) -> SwinDTN:
     """timm's ``swin_tiny_patch4_window7_224`` with DTN in every block (heads 3, 6, 12, 24;
     pooling 4, 2, 1, 1)."""
     return _swin_dtn('swin_tiny_patch4_window7_224', pretrained, **kwargs)
+
+
+from . import timm_vit_dtn  # noqa: E402,F401  (registers the DTN ViTs too)

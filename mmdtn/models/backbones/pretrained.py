@@ -42,12 +42,13 @@ from mmengine.runner.checkpoint import CheckpointLoader
 
 from ..layers import DTN_ONLY_PARAMETERS, DynamicTokenNorm, PatchNormConv2d
 from ..layers.reference_compat import convert_reference_state_dict
+from ..vit_dtn import convert_reference_vit_state_dict
 
 __all__ = [
     'LoadReport', 'load_pretrained', 'read_state_dict', 'load_state_dict_checked',
     'resample_position_embeddings',
     'pvt_checkpoint_to_mmdet', 'swin_checkpoint_to_mmdet', 'timm_pvt_v2_to_official',
-    'timm_swin_to_official'
+    'timm_swin_to_official', 'vit_checkpoint_to_mmseg'
 ]
 
 # Buffers a model computes from its own configuration (timm does not save them).
@@ -218,6 +219,78 @@ def swin_checkpoint_to_mmdet(state_dict: Mapping, convert_weights: bool,
         state_dict = OrderedDict(state_dict)
     if model is not None:
         state_dict = _resize_relative_position_tables(state_dict, model)
+    return state_dict
+
+
+# ---------------------------------------------------------------------------------- ViT
+#: timm's (and DeiT's) ViT names -> mmseg's, by regular expression (mmseg's vit2mmseg converter).
+_TIMM_VIT_TO_MMSEG = (
+    (r'^patch_embed\.proj\.', 'patch_embed.projection.'),
+    (r'^norm_pre\.', 'ln_pre.'),
+    (r'^norm\.', 'ln1.'),  # the final norm (final_norm=True)
+    (r'^blocks\.(\d+)\.norm1\.', r'layers.\1.ln1.'),
+    (r'^blocks\.(\d+)\.norm2\.', r'layers.\1.ln2.'),
+    (r'^blocks\.(\d+)\.attn\.qkv\.(weight|bias)$', r'layers.\1.attn.attn.in_proj_\2'),
+    (r'^blocks\.(\d+)\.attn\.proj\.', r'layers.\1.attn.attn.out_proj.'),
+    (r'^blocks\.(\d+)\.mlp\.fc1\.', r'layers.\1.ffn.layers.0.0.'),
+    (r'^blocks\.(\d+)\.mlp\.fc2\.', r'layers.\1.ffn.layers.1.'),
+)
+#: mmpretrain's ViT names -> mmseg's (the encoder layers differ in the attention only).
+_MMPRETRAIN_VIT_TO_MMSEG = (
+    (r'^pre_norm\.', 'ln_pre.'),
+    (r'^layers\.(\d+)\.attn\.qkv\.(weight|bias)$', r'layers.\1.attn.attn.in_proj_\2'),
+    (r'^layers\.(\d+)\.attn\.proj\.', r'layers.\1.attn.attn.out_proj.'),
+)
+
+
+def _renamed(state_dict: Mapping, rules) -> StateDict:
+    out = OrderedDict()
+    for k, v in state_dict.items():
+        for pattern, replacement in rules:
+            k, n = re.subn(pattern, replacement, k)
+            if n:
+                break
+        out[k] = v
+    return out
+
+
+def vit_checkpoint_to_mmseg(state_dict: Mapping, model: nn.Module, logger=None) -> StateDict:
+    """ViT weights in the names of mmseg's ``VisionTransformer`` (and ``VisionTransformerDTN``).
+
+    timm's and DeiT's ViTs (mmdtn's ``vit_*_dtn`` included: DTN's parameters follow their norms)
+    and mmpretrain's are renamed; mmseg-format ones (an mmseg backbone, or an mmpretrain classifier
+    on it) are taken as they are. The authors' reference-code DTN layers are converted
+    (:func:`~mmdtn.models.vit_dtn.convert_reference_vit_state_dict`), and a position embedding of
+    another grid is resized to ``model.img_size`` with mmseg's ``resize_pos_embed`` and the
+    model's ``interpolate_mode``, as mmseg's ``VisionTransformer.init_weights`` does.
+
+    Raises:
+        ValueError: a position embedding whose patch tokens are not a square grid.
+    """
+    logger = MMLogger.get_current_instance() if logger is None else logger
+    if any(k.endswith('.var_norm_weight') for k in state_dict):
+        state_dict = convert_reference_vit_state_dict(
+            _from_reference_format(model, OrderedDict(state_dict), logger))
+    if 'patch_embed.proj.weight' in state_dict:
+        state_dict = _renamed(state_dict, _TIMM_VIT_TO_MMSEG)
+    elif 'layers.0.attn.qkv.weight' in state_dict:
+        state_dict = _renamed(state_dict, _MMPRETRAIN_VIT_TO_MMSEG)
+    else:
+        state_dict = OrderedDict(state_dict)
+    pos, target = state_dict.get('pos_embed'), model.pos_embed
+    if pos is not None and pos.shape != target.shape and pos.dim() == 3 \
+            and pos.shape[2] == target.shape[2]:
+        side = math.isqrt(pos.shape[1] - 1)
+        if side * side != pos.shape[1] - 1:
+            raise ValueError(f'pos_embed: the checkpoint\'s position embedding '
+                             f'{tuple(pos.shape)} is not a class token and a square grid; the '
+                             f'model\'s is {tuple(target.shape)}')
+        grid = (model.img_size[0] // model.patch_size, model.img_size[1] // model.patch_size)
+        state_dict['pos_embed'] = model.resize_pos_embed(pos, grid, (side, side),
+                                                         model.interpolate_mode)
+        print_log(f'{type(model).__name__}: pos_embed: position embedding resized from the '
+                  f'checkpoint\'s {side}x{side} grid to the model\'s {grid[0]}x{grid[1]} '
+                  f'({model.interpolate_mode}, as mmseg)', logger=logger)
     return state_dict
 
 

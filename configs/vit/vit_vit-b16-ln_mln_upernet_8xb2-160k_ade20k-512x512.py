@@ -1,0 +1,3 @@
+# UperNet, ViT-B/16 with LayerNorm (mmseg's VisionTransformer), ADE20K: mmseg's config, unchanged.
+_base_ = 'mmseg::vit/vit_vit-b16_mln_upernet_8xb2-160k_ade20k-512x512.py'
+custom_imports = dict(imports=['mmdtn'], allow_failed_imports=False)
