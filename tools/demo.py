@@ -32,6 +32,7 @@ import os.path as osp
 import time
 
 from mmdtn.engine.cli import add_cfg_options, load_config, set_work_dir
+from mmdtn.engine.compile import prepare_compiled_training
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 CONFIGS = {
@@ -232,6 +233,7 @@ def train(cfg):
     # one line per DTN gate and positional coefficient (no weight decay) would flood the console
     runner.logger.addFilter(
         lambda record: not str(record.msg).startswith('paramwise_options -- '))
+    prepare_compiled_training(runner)  # for compile=True (--cfg-options compile=True)
     runner.train()
     return runner
 
