@@ -94,7 +94,8 @@ def test_expected_files_exist():
         assert UPERNET.format(norm=norm) in names
     assert len(TOP) == 2 * (len(DET) + len(SEG) + 1)
     assert {osp.basename(p) for p in IMAGENET} == {
-        f'{stem}-{norm}_8xb128_in1k.py' for stem in IMAGENET_STEMS for norm in ('dtn', 'ln')}
+        f'{stem}-{norm}_8xb128_in1k.py' for stem in IMAGENET_STEMS for norm in ('dtn', 'ln')} | {
+        f'vit-{size}-star-{norm}_4xb256_in1k.py' for size in 'tsb' for norm in ('dtn', 'ln')}
     assert set(ALIASES) == {osp.join(CONFIGS, n) for n in FORMER_NAMES}
 
 
