@@ -64,7 +64,7 @@ class TritonBackend(Backend):
         mean_ln, var_ln, cells = kernels.statistics(x, grid, n_var)
         if not grid.pooled:  # cells: per-image channel sums of the programs
             centre = (cells.sum(1) / grid.N).view(grid.B, 1, 1, grid.C)
-            return TokenStatistics(mean_ln, var_ln, centre, grid.cell_means(x).float(), None)
+            return TokenStatistics(mean_ln, var_ln, centre, grid.cell_means(x), None)  # a view
         cell_mean, cell_m2 = cells
         centre = cell_mean.mean(dim=(1, 2), keepdim=True)
         cell_second = None
@@ -98,3 +98,15 @@ class TritonBackend(Backend):
             g, x, saved.mean_ln, saved.var_ln, first, second, saved.centre, ratios.contiguous(),
             weight.contiguous(), eps, n_var, grid.from_column_major(d_first),
             None if d_second is None else grid.from_column_major(d_second), grid)
+
+    def fuses_products(self, x, grid, p_x):
+        return not grid.pooled
+
+    def fuses_backward(self, x, grid, p_x):
+        return False
+
+    def fused_output(self, x, stats, p_y, p_x, ratios, weight, bias, eps, grid):
+        return kernels.fused_output(x, stats.mean_ln, stats.var_ln, stats.centre.contiguous(),
+                                    p_y.detach().contiguous(), p_x.detach().contiguous(),
+                                    ratios.contiguous(), weight.contiguous(), bias.contiguous(),
+                                    eps, grid)

@@ -26,7 +26,7 @@ import triton.language as tl
 from .base import record_launch
 
 __all__ = ['statistics', 'output', 'token_gradients', 'input_gradient', 'specializations',
-           'TOKEN_POINTERS']
+           'TOKEN_POINTERS', 'INDEX_POINTERS', 'spans', 'fused_output']
 
 #: Elements of a token tile (TILE tokens x C_BLOCK channels) per thread of a program: a pass holds
 #: several such tiles (x, dL/dy, the cell statistics, ...) in registers.
@@ -36,14 +36,18 @@ ELEMENTS_PER_THREAD = 8
 TOKENS_PER_PROGRAM = 256
 #: Cells of one cell row a program of the passes with pooling covers.
 CELLS_PER_PROGRAM = 8
+#: Entries of a row of a positional factor one step of the search for its nonzero span reads.
+SPAN_BLOCK = 128
 
 
 def _bytes(*tensors):
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-#: Pointer arguments of the kernels to tensors of the tokens' dtype (all others are float32).
+#: Pointer arguments of the kernels to tensors of the tokens' dtype, and to int32 tensors (the
+#: nonzero spans of the positional factors); all others are float32.
 TOKEN_POINTERS = ('x_ptr', 'g_ptr', 'y_ptr', 'dx_ptr')
+INDEX_POINTERS = ('spans_ptr', 'span_y_ptr', 'span_x_ptr')
 
 
 def _launch(name, spec, grid, reads, writes, *args):
@@ -265,14 +269,23 @@ def _output_kernel(x_ptr, mean_ptr, var_ptr, first_ptr, second_ptr, centre_ptr, 
     first, var_it = _inter_token(_image(first_ptr, b, sb), _image(second_ptr, b, sb), cell, mask,
                                  RAW)
     centre = tl.load(centre_ptr + b * C + cols, mask=cols < C, other=0.0)[None, :]
+    _store_output(y_ptr, mean_ptr, var_ptr, ratios_ptr, weight_ptr, bias_ptr, b, H * W, C,
+                  tokens, valid, x, mask, first, var_it, centre, eps, C_BLOCK)
+
+
+@triton.jit
+def _store_output(y_ptr, mean_ptr, var_ptr, ratios_ptr, weight_ptr, bias_ptr, b, N, C, tokens,
+                  valid, x, mask, first, var_it, centre, eps, C_BLOCK: tl.constexpr):
+    """Eqs. 4 and 5 for ``tokens`` of image b given the inter-token statistics: y stored."""
+    cols = tl.arange(0, C_BLOCK)
     lam_m, kap_m, lam_v, kap_v, weight = _channel_rows(ratios_ptr, weight_ptr, C, C_BLOCK)
     bias = tl.load(bias_ptr + cols, mask=cols < C, other=0.0)[None, :]
-    mean_ln = tl.load(_image(mean_ptr, b, H * W) + tokens, mask=valid, other=0.0)
-    var_ln = tl.load(_image(var_ptr, b, H * W) + tokens, mask=valid, other=0.0)
+    mean_ln = tl.load(_image(mean_ptr, b, N) + tokens, mask=valid, other=0.0)
+    var_ln = tl.load(_image(var_ptr, b, N) + tokens, mask=valid, other=0.0)
     _, xhat = _normalised(x, mean_ln, var_ln, first, var_it, centre, lam_m, kap_m, lam_v, kap_v,
                           eps)
     y = xhat * weight + bias
-    tl.store(_image(y_ptr, b, H * W * C) + tokens[:, None] * C + cols[None, :],
+    tl.store(_image(y_ptr, b, N * C) + tokens[:, None] * C + cols[None, :],
              y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -289,6 +302,115 @@ def output(x, mean_ln, var_ln, first, second, centre, ratios, weight, bias, eps,
 
 def _output_spec(C, pool):
     return _output_kernel, dict(RAW=pool == 1, TILE=_tile(C), C_BLOCK=_c_block(C)), _warps(C)
+
+
+# ---------------------------------------------------------------------------- banded products
+@triton.jit(do_not_specialize=['L'])
+def _spans_kernel(p_ptr, spans_ptr, heads, L, BLOCK: tl.constexpr):
+    """The nonzero span [lo, hi) over all heads of row i of a factor P (heads, L, L) (program
+    (i, 0)) and of its column i (program (i, 1)), into spans (2, L, 2); far from its peak a row of
+    P is exact zeros (positional.truncated_softmax)."""
+    i, column = tl.program_id(0), tl.program_id(1)
+    lo = L + 0
+    hi = L * 0
+    for h in range(heads):
+        for start in range(0, L, BLOCK):
+            k = start + tl.arange(0, BLOCK)
+            inside = k < L
+            offsets = tl.where(column == 1, k * L + i, i * L + k)
+            p = tl.load(p_ptr + h * L * L + offsets, mask=inside, other=0.0)
+            nonzero = p != 0
+            lo = tl.minimum(lo, tl.min(tl.where(nonzero, k, L), axis=0))
+            hi = tl.maximum(hi, tl.max(tl.where(nonzero, k + 1, 0), axis=0))
+    out = spans_ptr + (column * L + i) * 2
+    tl.store(out, lo)
+    tl.store(out + 1, hi)
+
+
+def spans(p):
+    """The nonzero spans (2, L, 2) int32 of the rows ([0]) and columns ([1]) of the factor p,
+    found on the device: no host synchronisation."""
+    heads, L = p.shape[0], p.shape[-1]
+    out = torch.empty(2, L, 2, dtype=torch.int32, device=p.device)
+    _launch('triton.spans', _spans_spec(), (L, 2), [p], [out], p, out, heads, L)
+    return out
+
+
+def _spans_spec():
+    return _spans_kernel, dict(BLOCK=SPAN_BLOCK), 1
+
+
+@triton.jit
+def _axis_span(spans_ptr, rows, valid, L):
+    """The union [lo, hi) of the spans of ``rows`` (where ``valid``) from a spans table."""
+    lo = tl.min(tl.where(valid, tl.load(spans_ptr + 2 * rows, mask=valid, other=0), L), axis=0)
+    hi = tl.max(tl.where(valid, tl.load(spans_ptr + 2 * rows + 1, mask=valid, other=0), 0),
+                axis=0)
+    return lo, hi
+
+
+@triton.jit
+def _banded_moments(x_image, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, i, j, valid, mask,
+                    H, W, C, d, C_BLOCK: tl.constexpr):
+    """Without pooling, m = P_y (P_x T) (Eq. 5) of tokens (i, j) [TILE, C_BLOCK], for the moments
+    T = (x - centre, (x - centre)^2) of the tokens read from ``x_image`` over the nonzero band of
+    P_y's row i and of P_x's rows j: u = P_x T of every row of the band is formed on chip."""
+    cols = tl.arange(0, C_BLOCK)
+    cmask = cols < C
+    head = cols // d
+    lo_y, hi_y = _axis_span(span_y_ptr, i + tl.zeros([1], tl.int32), i >= 0, H)
+    lo_x, hi_x = _axis_span(span_x_ptr, j, valid, W)
+    p_y_row = p_y_ptr + head * H * H + i * H
+    p_x_rows = p_x_ptr + head[None, :] * W * W + j[:, None] * W
+    first = tl.zeros(mask.shape, tl.float32)
+    second = tl.zeros(mask.shape, tl.float32)
+    for i2 in range(lo_y, hi_y):
+        u_first = tl.zeros(mask.shape, tl.float32)
+        u_second = tl.zeros(mask.shape, tl.float32)
+        for j2 in range(lo_x, hi_x):
+            t = tl.load(x_image + (i2 * W + j2) * C + cols, mask=cmask, other=0.0).to(tl.float32)
+            t = tl.where(cmask, t - centre, 0.0)[None, :]
+            w = tl.load(p_x_rows + j2, mask=mask, other=0.0)
+            u_first += w * t
+            u_second += w * (t * t)
+        w = tl.load(p_y_row + i2, mask=cmask, other=0.0)[None, :]
+        first += w * u_first
+        second += w * u_second
+    return first, second
+
+
+@triton.jit(do_not_specialize=['H', 'W', 'C'])
+def _fused_output_kernel(x_ptr, mean_ptr, var_ptr, centre_ptr, p_y_ptr, p_x_ptr, span_y_ptr,
+                         span_x_ptr, ratios_ptr, weight_ptr, bias_ptr, y_ptr, H, W, C, d, eps,
+                         TILE: tl.constexpr, C_BLOCK: tl.constexpr):
+    """Without pooling: Eqs. 4 and 5 for TILE tokens of token row i of image b, the positional
+    products of their moments formed on chip (:func:`_banded_moments`)."""
+    b, i, j, valid, tokens, x, mask = _row_tile(x_ptr, H, W, C, TILE, C_BLOCK)
+    cols = tl.arange(0, C_BLOCK)
+    centre = tl.load(centre_ptr + b * C + cols, mask=cols < C, other=0.0)
+    first, second = _banded_moments(_image(x_ptr, b, H * W * C), centre, p_y_ptr, p_x_ptr,
+                                    span_y_ptr, span_x_ptr, i, j, valid, mask, H, W, C, d, C_BLOCK)
+    var_it = tl.maximum(second - first * first, 0.0)
+    _store_output(y_ptr, mean_ptr, var_ptr, ratios_ptr, weight_ptr, bias_ptr, b, H * W, C,
+                  tokens, valid, x, mask, first, var_it, centre[None, :], eps, C_BLOCK)
+
+
+def fused_output(x, mean_ln, var_ln, centre, p_y, p_x, ratios, weight, bias, eps, grid):
+    """Without pooling: y (x's shape and dtype) from x, Eq. 2 and the factors p_y (heads, H, H),
+    p_x (heads, W, W), the products formed on chip over their nonzero bands."""
+    B, N, C = x.shape
+    span_y, span_x = spans(p_y), spans(p_x)
+    y = x.new_empty(x.shape)
+    _launch('triton.fused_output', _fused_output_spec(C),
+            (B * grid.H, triton.cdiv(grid.W, _tile(C))),
+            [x, mean_ln, var_ln, centre, p_y, p_x, span_y, span_x, ratios, weight, bias], [y],
+            x, mean_ln, var_ln, centre, p_y, p_x, span_y, span_x, ratios, weight, bias, y,
+            grid.H, grid.W, C, grid.d, float(eps))
+    return y
+
+
+def _fused_output_spec(C):
+    return _fused_output_kernel, dict(TILE=_tile(C), C_BLOCK=_c_block(C)), _warps(C)
 
 
 # ---------------------------------------------------------------------------- backward pass 1
@@ -513,5 +635,6 @@ def specializations(C, pool, square_of_pooled=False):
     backward, as (kernel, constexprs, num_warps): what a GPU compiles for it (the tokens' dtype
     aside). The image size is not part of it."""
     second = pool == 1 or not square_of_pooled  # the second moment is not the first's square
-    return [_statistics_spec(C, pool), _output_spec(C, pool), _gradients_spec(C, pool),
+    forward = [_output_spec(C, pool)] if pool > 1 else [_spans_spec(), _fused_output_spec(C)]
+    return [_statistics_spec(C, pool), *forward, _gradients_spec(C, pool),
             _input_gradient_spec(C, pool, second)]
