@@ -145,7 +145,7 @@ def dtn_backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, conv
 def _backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convention):
     C = grid.C
     n_var = C - 1 if convention.unbiased_ln_var else C
-    if backend.fuses_backward(x, grid, p_x):
+    if backend.fuses_products(x, grid, p_x):
         dx, grad_p_y, grad_p_x, sums = backend.fused_backward(g, x, saved, p_y, p_x, ratios,
                                                               weight, eps, n_var, grid)
         return Gradients(dx, grad_p_y, grad_p_x, *parameter_gradients(sums))

@@ -65,11 +65,6 @@ class Backend:
         ``fused_output`` and ``fused_backward`` replace the staged passes)."""
         return False
 
-    def fuses_backward(self, x, grid, p_x):
-        """Whether the backward pass runs ``fused_backward`` (by default: where the forward pass
-        fuses the products)."""
-        return self.fuses_products(x, grid, p_x)
-
 
 class DenseFactor:
     """Products with one positional factor P (heads, L, L) as batched dense matrix products.

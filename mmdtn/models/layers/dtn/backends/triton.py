@@ -102,11 +102,13 @@ class TritonBackend(Backend):
     def fuses_products(self, x, grid, p_x):
         return not grid.pooled
 
-    def fuses_backward(self, x, grid, p_x):
-        return False
-
     def fused_output(self, x, stats, p_y, p_x, ratios, weight, bias, eps, grid):
         return kernels.fused_output(x, stats.mean_ln, stats.var_ln, stats.centre.contiguous(),
                                     p_y.detach().contiguous(), p_x.detach().contiguous(),
                                     ratios.contiguous(), weight.contiguous(), bias.contiguous(),
                                     eps, grid)
+
+    def fused_backward(self, g, x, saved, p_y, p_x, ratios, weight, eps, n_var, grid):
+        return kernels.fused_backward(g, x, saved.mean_ln, saved.var_ln, saved.centre.contiguous(),
+                                      p_y.detach().contiguous(), p_x.detach().contiguous(),
+                                      ratios.contiguous(), weight.contiguous(), eps, n_var, grid)

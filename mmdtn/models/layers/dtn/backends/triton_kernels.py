@@ -26,7 +26,8 @@ import triton.language as tl
 from .base import record_launch
 
 __all__ = ['statistics', 'output', 'token_gradients', 'input_gradient', 'specializations',
-           'TOKEN_POINTERS', 'INDEX_POINTERS', 'spans', 'fused_output']
+           'TOKEN_POINTERS', 'INDEX_POINTERS', 'spans', 'fused_output',
+           'fused_backward']
 
 #: Elements of a token tile (TILE tokens x C_BLOCK channels) per thread of a program: a pass holds
 #: several such tiles (x, dL/dy, the cell statistics, ...) in registers.
@@ -350,13 +351,30 @@ def _axis_span(spans_ptr, rows, valid, L):
 
 
 @triton.jit
-def _banded_moments(x_image, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, i, j, valid, mask,
-                    H, W, C, d, C_BLOCK: tl.constexpr):
-    """Without pooling, m = P_y (P_x T) (Eq. 5) of tokens (i, j) [TILE, C_BLOCK], for the moments
-    T = (x - centre, (x - centre)^2) of the tokens read from ``x_image`` over the nonzero band of
-    P_y's row i and of P_x's rows j: u = P_x T of every row of the band is formed on chip."""
+def _row_products(x_image, centre, p_x_rows, i2, lo_x, hi_x, mask, W, C, C_BLOCK: tl.constexpr):
+    """u = P_x T [TILE, C_BLOCK] of token row i2 at the columns whose rows of P_x start at
+    ``p_x_rows`` (the nonzero span [lo_x, hi_x)), for the moments T = (x - centre,
+    (x - centre)^2) read from ``x_image``."""
     cols = tl.arange(0, C_BLOCK)
     cmask = cols < C
+    u_first = tl.zeros(mask.shape, tl.float32)
+    u_second = tl.zeros(mask.shape, tl.float32)
+    for j2 in range(lo_x, hi_x):
+        t = tl.load(x_image + (i2 * W + j2) * C + cols, mask=cmask, other=0.0).to(tl.float32)
+        t = tl.where(cmask, t - centre, 0.0)[None, :]
+        w = tl.load(p_x_rows + j2, mask=mask, other=0.0)
+        u_first += w * t
+        u_second += w * (t * t)
+    return u_first, u_second
+
+
+@triton.jit
+def _banded_moments(x_image, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, i, j, valid, mask,
+                    H, W, C, d, C_BLOCK: tl.constexpr):
+    """Without pooling, m = P_y (P_x T) (Eq. 5) of tokens (i, j) [TILE, C_BLOCK] over the nonzero
+    band of P_y's row i and of P_x's rows j: u = P_x T of every row of the band is formed on chip
+    (:func:`_row_products`)."""
+    cols = tl.arange(0, C_BLOCK)
     head = cols // d
     lo_y, hi_y = _axis_span(span_y_ptr, i + tl.zeros([1], tl.int32), i >= 0, H)
     lo_x, hi_x = _axis_span(span_x_ptr, j, valid, W)
@@ -365,15 +383,9 @@ def _banded_moments(x_image, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, i
     first = tl.zeros(mask.shape, tl.float32)
     second = tl.zeros(mask.shape, tl.float32)
     for i2 in range(lo_y, hi_y):
-        u_first = tl.zeros(mask.shape, tl.float32)
-        u_second = tl.zeros(mask.shape, tl.float32)
-        for j2 in range(lo_x, hi_x):
-            t = tl.load(x_image + (i2 * W + j2) * C + cols, mask=cmask, other=0.0).to(tl.float32)
-            t = tl.where(cmask, t - centre, 0.0)[None, :]
-            w = tl.load(p_x_rows + j2, mask=mask, other=0.0)
-            u_first += w * t
-            u_second += w * (t * t)
-        w = tl.load(p_y_row + i2, mask=cmask, other=0.0)[None, :]
+        u_first, u_second = _row_products(x_image, centre, p_x_rows, i2, lo_x, hi_x, mask, W, C,
+                                          C_BLOCK)
+        w = tl.load(p_y_row + i2, mask=cols < C, other=0.0)[None, :]
         first += w * u_first
         second += w * u_second
     return first, second
@@ -629,12 +641,183 @@ def _input_gradient_spec(C, pool, second):
                                          C_BLOCK=_c_block(C)), _warps(C))
 
 
+# ---------------------------------------------------------------------------- fused backward
+@triton.jit(do_not_specialize=['H', 'W', 'C'])
+def _fused_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, centre_ptr, p_y_ptr, p_x_ptr,
+                            span_y_ptr, span_x_ptr, ratios_ptr, weight_ptr, dm_first_ptr,
+                            dm_second_ptr, grad_p_y_ptr, partial_ptr, H, W, C, d, heads, eps,
+                            TILE: tl.constexpr, C_BLOCK: tl.constexpr):
+    """Without pooling, backward pass 1 for token row i of image b: with m formed on chip, dL/dm
+    of its tokens (written) and their sums for the parameters; then row i of image b's share of
+    the gradient of P_y, sum over the row's tokens and each head's channels of dL/dm u for the
+    rows of u = P_x T in the band (u formed again on chip, dL/dm read back from cache)."""
+    row = tl.program_id(0)
+    b, i = row // H, row % H
+    cols = tl.arange(0, C_BLOCK)
+    cmask = cols < C
+    head = cols // d
+    centre = tl.load(centre_ptr + b * C + cols, mask=cmask, other=0.0)
+    lam_m, kap_m, lam_v, kap_v, weight = _channel_rows(ratios_ptr, weight_ptr, C, C_BLOCK)
+    x_image = _image(x_ptr, b, H * W * C)
+    dm_first_image = _image(dm_first_ptr, b, H * W * C)
+    dm_second_image = _image(dm_second_ptr, b, H * W * C)
+    s_xg, s_g, s_mu, s_var, s_mit, s_vit = _zero_sums(C_BLOCK)
+    for start in range(0, W, TILE):
+        j = start + tl.arange(0, TILE)
+        valid = j < W
+        tokens = i * W + j
+        x, mask = _load_tokens(x_image, tokens, valid, C, C_BLOCK)
+        g, _ = _load_tokens(_image(g_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
+        mean_ln = tl.load(_image(mean_ptr, b, H * W) + tokens, mask=valid, other=0.0)
+        var_ln = tl.load(_image(var_ptr, b, H * W) + tokens, mask=valid, other=0.0)
+        first, second = _banded_moments(x_image, centre, p_y_ptr, p_x_ptr, span_y_ptr,
+                                        span_x_ptr, i, j, valid, mask, H, W, C, d, C_BLOCK)
+        var_it = tl.maximum(second - first * first, 0.0)
+        d1, d2, xg = _token_terms(x, g, mean_ln, var_ln, first, var_it, centre[None, :], lam_m,
+                                  kap_m, lam_v, kap_v, weight, eps)
+        d1, d2 = tl.where(mask, d1, 0.0), tl.where(mask, d2, 0.0)
+        # dL/dm_second = dL/dvar_it [var_it > 0], dL/dm_first = dL/dmu_it - 2 m_first dm_second
+        dm_second = tl.where(var_it > 0, -0.5 * kap_v * d2, 0.0)
+        offsets = tokens[:, None] * C + cols[None, :]
+        tl.store(dm_first_image + offsets, -kap_m * d1 - 2.0 * first * dm_second, mask=mask)
+        tl.store(dm_second_image + offsets, dm_second, mask=mask)
+        s_xg += tl.sum(tl.where(mask, xg, 0.0), axis=0)
+        s_g += tl.sum(g, axis=0)
+        s_mu += tl.sum(mean_ln[:, None] * d1, axis=0)
+        s_var += tl.sum(var_ln[:, None] * d2, axis=0)
+        s_mit += tl.sum((first + centre[None, :]) * d1, axis=0)
+        s_vit += tl.sum(var_it * d2, axis=0)
+    _store_sums(partial_ptr, row, C, s_xg, s_g, s_mu, s_var, s_mit, s_vit, C_BLOCK)
+    tl.debug_barrier()  # dL/dm of the row, written above, is read back below
+    lo_y, hi_y = _axis_span(span_y_ptr, i + tl.zeros([1], tl.int32), i >= 0, H)
+    for i2 in range(0, H):
+        total = tl.zeros([C_BLOCK], tl.float32)
+        if (i2 >= lo_y) & (i2 < hi_y):  # elsewhere P_y is zero: a zero gradient
+            for start in range(0, W, TILE):
+                j = start + tl.arange(0, TILE)
+                valid = j < W
+                mask = valid[:, None] & cmask[None, :]
+                lo_x, hi_x = _axis_span(span_x_ptr, j, valid, W)
+                p_x_rows = p_x_ptr + head[None, :] * W * W + j[:, None] * W
+                u_first, u_second = _row_products(x_image, centre, p_x_rows, i2, lo_x, hi_x,
+                                                  mask, W, C, C_BLOCK)
+                offsets = (i * W + j)[:, None] * C + cols[None, :]
+                dm_first = tl.load(dm_first_image + offsets, mask=mask, other=0.0)
+                dm_second = tl.load(dm_second_image + offsets, mask=mask, other=0.0)
+                total += tl.sum(dm_first * u_first + dm_second * u_second, axis=0)
+        for h in range(heads):
+            tl.store(grad_p_y_ptr + ((b * heads + h) * H + i) * H + i2,
+                     tl.sum(tl.where(head == h, total, 0.0), axis=0))
+
+
+@triton.jit(do_not_specialize=['H', 'W', 'C'])
+def _fused_input_gradient_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, centre_ptr, p_y_ptr, p_x_ptr,
+                                 span_y_ptr, span_x_ptr, ratios_ptr, weight_ptr, dm_first_ptr,
+                                 dm_second_ptr, grad_p_x_ptr, dx_ptr, H, W, C, d, heads, eps,
+                                 n_var, TILE: tl.constexpr, C_BLOCK: tl.constexpr):
+    """Without pooling, backward pass 2 for TILE token columns j of image b, row after row: the
+    products backwards on chip, dL/du = P_y^T dL/dm over the band of P_y's column i for every
+    row of P_x whose column j is nonzero and dL/dT = P_x^T dL/du; dx (with m and the per-token
+    terms formed again); and image b's share of the gradient of P_x at columns j, sum over the
+    rows and each head's channels of dL/du T, accumulated in place (the program owns them)."""
+    b, block = tl.program_id(0), tl.program_id(1)
+    j = block * TILE + tl.arange(0, TILE)
+    valid = j < W
+    cols = tl.arange(0, C_BLOCK)
+    cmask = cols < C
+    head = cols // d
+    centre = tl.load(centre_ptr + b * C + cols, mask=cmask, other=0.0)
+    lam_m, kap_m, lam_v, kap_v, weight = _channel_rows(ratios_ptr, weight_ptr, C, C_BLOCK)
+    x_image = _image(x_ptr, b, H * W * C)
+    dm_first_image = _image(dm_first_ptr, b, H * W * C)
+    dm_second_image = _image(dm_second_ptr, b, H * W * C)
+    for j1 in range(0, W):
+        for h in range(heads):
+            tl.store(grad_p_x_ptr + ((b * heads + h) * W + j1) * W + j,
+                     tl.zeros([TILE], tl.float32), mask=valid)
+    tl.debug_barrier()
+    lo_j, hi_j = _axis_span(span_x_ptr + 2 * W, j, valid, W)  # rows of P_x nonzero at columns j
+    for i in range(0, H):
+        tokens = i * W + j
+        x, mask = _load_tokens(x_image, tokens, valid, C, C_BLOCK)
+        g, _ = _load_tokens(_image(g_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
+        mean_ln = tl.load(_image(mean_ptr, b, H * W) + tokens, mask=valid, other=0.0)
+        var_ln = tl.load(_image(var_ptr, b, H * W) + tokens, mask=valid, other=0.0)
+        first, second = _banded_moments(x_image, centre, p_y_ptr, p_x_ptr, span_y_ptr,
+                                        span_x_ptr, i, j, valid, mask, H, W, C, d, C_BLOCK)
+        var_it = tl.maximum(second - first * first, 0.0)
+        d1, d2, _ = _token_terms(x, g, mean_ln, var_ln, first, var_it, centre[None, :], lam_m,
+                                 kap_m, lam_v, kap_v, weight, eps)
+        d1, d2 = tl.where(mask, d1, 0.0), tl.where(mask, d2, 0.0)
+        # Eq. 2 backwards: dL/dvar_ln = -sum(D2 lam_v) / 2, dL/dmu_ln = -sum(D1 lam_m)
+        beta = -tl.sum(d2 * lam_v, axis=1) / n_var
+        alpha = -tl.sum(d1 * lam_m, axis=1) / C - beta * mean_ln
+        t = tl.where(mask, x - centre[None, :], 0.0)
+        lo_i, hi_i = _axis_span(span_y_ptr + 2 * H, i + tl.zeros([1], tl.int32), i >= 0, H)
+        dT_first = tl.zeros(mask.shape, tl.float32)
+        dT_second = tl.zeros(mask.shape, tl.float32)
+        for j1 in range(lo_j, hi_j):
+            du_first = tl.zeros([C_BLOCK], tl.float32)
+            du_second = tl.zeros([C_BLOCK], tl.float32)
+            for i1 in range(lo_i, hi_i):
+                w = tl.load(p_y_ptr + head * H * H + i1 * H + i, mask=cmask, other=0.0)
+                cell = (i1 * W + j1) * C + cols
+                du_first += w * tl.load(dm_first_image + cell, mask=cmask, other=0.0)
+                du_second += w * tl.load(dm_second_image + cell, mask=cmask, other=0.0)
+            w = tl.load(p_x_ptr + head[None, :] * W * W + j1 * W + j[:, None], mask=mask,
+                        other=0.0)
+            dT_first += w * du_first[None, :]
+            dT_second += w * du_second[None, :]
+            share = du_first[None, :] * t + du_second[None, :] * (t * t)
+            for h in range(heads):
+                out = grad_p_x_ptr + ((b * heads + h) * W + j1) * W + j
+                total = tl.load(out, mask=valid, other=0.0)
+                tl.store(out, total + tl.sum(tl.where(head[None, :] == h, share, 0.0), axis=1),
+                         mask=valid)
+        tl.debug_barrier()  # the next row adds to the same entries
+        dx = d1 + x * beta[:, None] + alpha[:, None] + dT_first + 2.0 * t * dT_second
+        tl.store(_image(dx_ptr, b, H * W * C) + tokens[:, None] * C + cols[None, :],
+                 dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def fused_backward(g, x, mean_ln, var_ln, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
+    """Without pooling: dx (x's shape and dtype), the gradients of p_y and p_x and the sums
+    (6, C) for the parameters, the products formed on chip over the nonzero bands; dL/dm
+    (float32, two values per token and channel) is the one tensor passed between the passes."""
+    B, N, C = x.shape
+    H, W, heads = grid.H, grid.W, grid.heads
+    span_y, span_x = spans(p_y), spans(p_x)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    dm = torch.empty(2, B, N, C, **f32)
+    grad_p_y = torch.empty(B, heads, H, H, **f32)
+    partial = torch.empty(B * H, 6, C, **f32)
+    common = [g, x, mean_ln, var_ln, centre, p_y, p_x, span_y, span_x, ratios, weight]
+    _launch('triton.fused_gradients', _fused_gradients_spec(C), (B * H, ), common,
+            [dm, grad_p_y, partial], *common, dm[0], dm[1], grad_p_y, partial, H, W, C, grid.d,
+            heads, float(eps))
+    grad_p_x = torch.empty(B, heads, W, W, **f32)
+    dx = x.new_empty(x.shape)
+    _launch('triton.fused_input_gradient', _fused_input_gradient_spec(C),
+            (B, triton.cdiv(W, _tile(C))), [*common, dm], [grad_p_x, dx], *common, dm[0], dm[1],
+            grad_p_x, dx, H, W, C, grid.d, heads, float(eps), float(n_var))
+    return dx, grad_p_y.sum(0), grad_p_x.sum(0), partial.sum(0)
+
+
+def _fused_gradients_spec(C):
+    return _fused_gradients_kernel, dict(TILE=_tile(C), C_BLOCK=_c_block(C)), _warps(C)
+
+
+def _fused_input_gradient_spec(C):
+    return _fused_input_gradient_kernel, dict(TILE=_tile(C), C_BLOCK=_c_block(C)), _warps(C)
+
+
 # ---------------------------------------------------------------------------- specialisations
 def specializations(C, pool, square_of_pooled=False):
     """The compiled kernels one DTN layer of C channels and pooling ``pool`` launches, forward and
     backward, as (kernel, constexprs, num_warps): what a GPU compiles for it (the tokens' dtype
     aside). The image size is not part of it."""
-    second = pool == 1 or not square_of_pooled  # the second moment is not the first's square
-    forward = [_output_spec(C, pool)] if pool > 1 else [_spans_spec(), _fused_output_spec(C)]
-    return [_statistics_spec(C, pool), *forward, _gradients_spec(C, pool),
-            _input_gradient_spec(C, pool, second)]
+    if pool == 1:  # the products fused into the passes
+        return [_statistics_spec(C, pool), _spans_spec(), _fused_output_spec(C),
+                _fused_gradients_spec(C), _fused_input_gradient_spec(C)]
+    return [_statistics_spec(C, pool), _output_spec(C, pool), _gradients_spec(C, pool),
+            _input_gradient_spec(C, pool, not square_of_pooled)]
