@@ -4,10 +4,10 @@ Supports CUDA tensors in float16, bfloat16 and float32 (read as they are; statis
 the output in x's dtype), any H x W, any channel count and pooling, both statistics conventions;
 ``auto`` takes it for CUDA tensors. Not float64: the kernels compute in float32, and float64 runs
 on the ``torch`` backend. Needs ``triton``, which comes with PyTorch's CUDA builds; with
-``TRITON_INTERPRET=1`` the kernels also run, slowly, on CPU tensors (for tests). The positional
-products of the cells run as batched matrix products (PyTorch); without pooling the cells are the
-tokens, and these products and their results (four float32 values per token and channel) cost
-several times the traffic of the fused passes.
+``TRITON_INTERPRET=1`` the kernels also run, slowly, on CPU tensors (for tests). With pooling
+the positional products of the cells run as batched matrix products (PyTorch) between the
+kernels; without pooling, where the cells are the tokens, they are fused into the kernels over
+the nonzero bands of P_y and P_x (see :mod:`.triton_kernels`).
 
 The kernels run inside the ``torch.library`` custom ops ``mmdtn::dtn_triton_forward`` and
 ``mmdtn::dtn_triton_backward``, which ``torch.compile`` and ``torch.export`` record as single

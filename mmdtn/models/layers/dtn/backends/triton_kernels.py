@@ -8,13 +8,35 @@ its registers. H, W, N and the strides are runtime arguments: a new resolution l
 compiled kernels. Cell tensors (the products m, their gradients) are strided (B, Hp, Wp, heads, d)
 views with a contiguous last dimension, as in the CPU kernels.
 
-Forward: :func:`statistics` (Eq. 2 per token and, per cell, the mean of x and the sum of squares
-about it, in one read of x), then the positional products on the cell grid (PyTorch, in
-``function.py``), then :func:`output` (Eqs. 4-5: one read of x, one write of y). Backward:
-:func:`token_gradients` (dL/dm of every cell and the sums over the tokens for the parameters, one
-read of x and dL/dy; the sums are written per program and added up afterwards, in a fixed order:
-no float atomics), the products backwards, then :func:`input_gradient` (one read of x and dL/dy,
-one write of dx), which recomputes the per-token terms instead of storing them.
+With pooling, forward: :func:`statistics` (Eq. 2 per token and, per cell, the mean of x and the
+sum of squares about it, in one read of x), then the positional products on the cell grid
+(PyTorch, in ``function.py``), then :func:`output` (Eqs. 4-5: one read of x, one write of y).
+Backward: :func:`token_gradients` (dL/dm of every cell and the sums over the tokens for the
+parameters, one read of x and dL/dy; the sums are written per program and added up afterwards, in
+a fixed order: no float atomics), the products backwards, then :func:`input_gradient` (one read of
+x and dL/dy, one write of dx), which recomputes the per-token terms instead of storing them.
+
+Without pooling the cells are the tokens, and the products are fused into the passes over the
+tokens. By the traffic model (bytes of the operands of every launch, per token, for C channels
+of e bytes), doing them as separate passes, even in Triton, would write and read the moments
+T, u = P_x T and m = P_y u, two float32 values per token and channel each (8 C bytes, 16 C
+written and read back, against 3 C e for the whole fused forward: 6 C in float16), so
+the products are formed on chip instead: a row of P has about 11 nonzero weights in float32 at
+the paper's initialisation (positional.truncated_softmax), and :func:`spans` finds every row's
+and column's nonzero span on the device (no host synchronisation; a wider P costs time, not
+correctness). :func:`fused_output` reads each token's band of neighbours, cached, and forms
+u = P_x T for the rows of the band and m = P_y u in registers (x read twice forward: statistics
+and output, as with pooling). Backward, :func:`fused_backward` passes one tensor between two
+passes, dL/dm (two float32 values per token and channel), since dL/dT of a token needs dL/dm of
+its whole band: pass 1 (a program per token row) forms m again, writes dL/dm and the sums, then
+reads its row's dL/dm back from cache for its share of the gradient of P_y (sum of dL/dm u over
+the band's rows of u); pass 2 (a program per column tile, walking the rows) forms
+dL/du = P_y^T dL/dm and dL/dT = P_x^T dL/du over the bands, and dx, and adds up its columns of
+the gradient of P_x in place (the program owns them: deterministic, no atomics). The gradients
+of P are exact on the bands and zero elsewhere, where P is an exact zero and the softmax passes
+no gradient; they are written per image and added over the images afterwards. Backward thus
+moves about 5 C e + 16 C bytes per token: dL/dm, which only a recomputation of m over the band of
+every neighbour (the band squared) would avoid, is most of it.
 
 Every launch is recorded with the bytes of its operands (:func:`.base.record_launch`); with meta
 tensors the launches are only recorded, which gives the traffic of any shape without a GPU.
@@ -133,13 +155,10 @@ def _cell_offsets(ci, cj, cols, d, si, sj, sh):
 
 
 @triton.jit
-def _inter_token(first_ptr, second_ptr, offsets, mask, RAW: tl.constexpr):
-    """P^h T_0 and the inter-token variance at ``offsets``: ``second`` is the variance itself
-    (with pooling) or the raw second moment P^h T_1 (RAW, without)."""
+def _inter_token(first_ptr, second_ptr, offsets, mask):
+    """With pooling, P^h T_0 and the inter-token variance of the cells at ``offsets``."""
     first = tl.load(first_ptr + offsets, mask=mask, other=0.0)
     second = tl.load(second_ptr + offsets, mask=mask, other=0.0)
-    if RAW:
-        second = tl.maximum(second - first * first, 0.0)
     return first, second
 
 
@@ -245,30 +264,29 @@ def statistics(x, grid, n_var):
     return mean_ln, var_ln, (cell_mean, cell_m2)
 
 
-def _walk_spec(token_kernel, cell_kernel, C, pool):
-    """(kernel, constexprs, num_warps) of a pass that walks the tokens of an image (no pooling)
-    or the cells of a cell row."""
-    if pool == 1:
-        return token_kernel, dict(TILE=_tile(C), TILES=_tiles(C), C_BLOCK=_c_block(C)), _warps(C)
+def _cells_spec(cell_kernel, C, pool):
+    """(kernel, constexprs, num_warps) of a pass with pooling that walks the cells of a cell row."""
     return (cell_kernel, dict(CELLS=CELLS_PER_PROGRAM, S_BLOCK=triton.next_power_of_2(pool),
                               C_BLOCK=_c_block(C)), _warps(C))
 
 
 def _statistics_spec(C, pool):
-    return _walk_spec(_token_statistics_kernel, _cell_statistics_kernel, C, pool)
+    if pool == 1:  # walks the tokens of an image
+        return (_token_statistics_kernel, dict(TILE=_tile(C), TILES=_tiles(C), C_BLOCK=_c_block(C)),
+                _warps(C))
+    return _cells_spec(_cell_statistics_kernel, C, pool)
 
 
 # ---------------------------------------------------------------------------- output
 @triton.jit(do_not_specialize=['H', 'W', 'C'])
 def _output_kernel(x_ptr, mean_ptr, var_ptr, first_ptr, second_ptr, centre_ptr, ratios_ptr,
                    weight_ptr, bias_ptr, y_ptr, H, W, C, pool, d, sb, si, sj, sh, eps,
-                   RAW: tl.constexpr, TILE: tl.constexpr, C_BLOCK: tl.constexpr):
-    """Eqs. 4 and 5 for TILE tokens of token row i of image b."""
+                   TILE: tl.constexpr, C_BLOCK: tl.constexpr):
+    """With pooling: Eqs. 4 and 5 for TILE tokens of token row i of image b."""
     b, i, j, valid, tokens, x, mask = _row_tile(x_ptr, H, W, C, TILE, C_BLOCK)
     cols = tl.arange(0, C_BLOCK)
     cell = _cell_offsets(i // pool, j // pool, cols, d, si, sj, sh)
-    first, var_it = _inter_token(_image(first_ptr, b, sb), _image(second_ptr, b, sb), cell, mask,
-                                 RAW)
+    first, var_it = _inter_token(_image(first_ptr, b, sb), _image(second_ptr, b, sb), cell, mask)
     centre = tl.load(centre_ptr + b * C + cols, mask=cols < C, other=0.0)[None, :]
     _store_output(y_ptr, mean_ptr, var_ptr, ratios_ptr, weight_ptr, bias_ptr, b, H * W, C,
                   tokens, valid, x, mask, first, var_it, centre, eps, C_BLOCK)
@@ -291,10 +309,12 @@ def _store_output(y_ptr, mean_ptr, var_ptr, ratios_ptr, weight_ptr, bias_ptr, b,
 
 
 def output(x, mean_ln, var_ln, first, second, centre, ratios, weight, bias, eps, grid):
-    """y (x's shape and dtype) from x, Eq. 2 and the cell views of m (see the module docstring)."""
+    """With pooling: y (x's shape and dtype) from x, Eq. 2 and the cell views of m (see the
+    module docstring)."""
     B, N, C = x.shape
     y = x.new_empty(x.shape)
-    _launch('triton.output', _output_spec(C, grid.pool), (B * grid.H, triton.cdiv(grid.W, _tile(C))),
+    _launch('triton.output', _output_spec(C, grid.pool),
+            (B * grid.H, triton.cdiv(grid.W, _tile(C))),
             [x, mean_ln, var_ln, first, second, centre, ratios, weight, bias], [y],
             x, mean_ln, var_ln, first, second, centre, ratios, weight, bias, y, grid.H, grid.W, C,
             grid.pool, grid.d, *first.stride()[:4], float(eps))
@@ -302,7 +322,7 @@ def output(x, mean_ln, var_ln, first, second, centre, ratios, weight, bias, eps,
 
 
 def _output_spec(C, pool):
-    return _output_kernel, dict(RAW=pool == 1, TILE=_tile(C), C_BLOCK=_c_block(C)), _warps(C)
+    return _output_kernel, dict(TILE=_tile(C), C_BLOCK=_c_block(C)), _warps(C)
 
 
 # ---------------------------------------------------------------------------- banded products
@@ -351,9 +371,10 @@ def _axis_span(spans_ptr, rows, valid, L):
 
 
 @triton.jit
-def _row_products(x_image, centre, p_x_rows, i2, lo_x, hi_x, mask, W, C, C_BLOCK: tl.constexpr):
-    """u = P_x T [TILE, C_BLOCK] of token row i2 at the columns whose rows of P_x start at
-    ``p_x_rows`` (the nonzero span [lo_x, hi_x)), for the moments T = (x - centre,
+def _row_products(x_image, centre, p_x_ptr, p_x_rows, i2, lo_x, hi_x, mask, W, C,
+                  C_BLOCK: tl.constexpr):
+    """u = P_x T [TILE, C_BLOCK] of token row i2 at the columns whose rows of P_x start at the
+    offsets ``p_x_rows`` (their nonzero span: [lo_x, hi_x)), for the moments T = (x - centre,
     (x - centre)^2) read from ``x_image``."""
     cols = tl.arange(0, C_BLOCK)
     cmask = cols < C
@@ -362,7 +383,7 @@ def _row_products(x_image, centre, p_x_rows, i2, lo_x, hi_x, mask, W, C, C_BLOCK
     for j2 in range(lo_x, hi_x):
         t = tl.load(x_image + (i2 * W + j2) * C + cols, mask=cmask, other=0.0).to(tl.float32)
         t = tl.where(cmask, t - centre, 0.0)[None, :]
-        w = tl.load(p_x_rows + j2, mask=mask, other=0.0)
+        w = tl.load(p_x_ptr + (p_x_rows + j2), mask=mask, other=0.0)
         u_first += w * t
         u_second += w * (t * t)
     return u_first, u_second
@@ -379,12 +400,12 @@ def _banded_moments(x_image, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, i
     lo_y, hi_y = _axis_span(span_y_ptr, i + tl.zeros([1], tl.int32), i >= 0, H)
     lo_x, hi_x = _axis_span(span_x_ptr, j, valid, W)
     p_y_row = p_y_ptr + head * H * H + i * H
-    p_x_rows = p_x_ptr + head[None, :] * W * W + j[:, None] * W
+    p_x_rows = head[None, :] * W * W + j[:, None] * W
     first = tl.zeros(mask.shape, tl.float32)
     second = tl.zeros(mask.shape, tl.float32)
     for i2 in range(lo_y, hi_y):
-        u_first, u_second = _row_products(x_image, centre, p_x_rows, i2, lo_x, hi_x, mask, W, C,
-                                          C_BLOCK)
+        u_first, u_second = _row_products(x_image, centre, p_x_ptr, p_x_rows, i2, lo_x, hi_x,
+                                          mask, W, C, C_BLOCK)
         w = tl.load(p_y_row + i2, mask=cols < C, other=0.0)[None, :]
         first += w * u_first
         second += w * u_second
@@ -396,12 +417,19 @@ def _fused_output_kernel(x_ptr, mean_ptr, var_ptr, centre_ptr, p_y_ptr, p_x_ptr,
                          span_x_ptr, ratios_ptr, weight_ptr, bias_ptr, y_ptr, H, W, C, d, eps,
                          TILE: tl.constexpr, C_BLOCK: tl.constexpr):
     """Without pooling: Eqs. 4 and 5 for TILE tokens of token row i of image b, the positional
-    products of their moments formed on chip (:func:`_banded_moments`)."""
-    b, i, j, valid, tokens, x, mask = _row_tile(x_ptr, H, W, C, TILE, C_BLOCK)
+    products of their moments formed on chip (:func:`_banded_moments`) before x is loaded."""
+    row, block = tl.program_id(0), tl.program_id(1)
+    b, i = row // H, row % H
+    j = block * TILE + tl.arange(0, TILE)
+    valid = j < W
+    tokens = i * W + j
     cols = tl.arange(0, C_BLOCK)
+    mask = valid[:, None] & (cols < C)[None, :]
     centre = tl.load(centre_ptr + b * C + cols, mask=cols < C, other=0.0)
-    first, second = _banded_moments(_image(x_ptr, b, H * W * C), centre, p_y_ptr, p_x_ptr,
-                                    span_y_ptr, span_x_ptr, i, j, valid, mask, H, W, C, d, C_BLOCK)
+    x_image = _image(x_ptr, b, H * W * C)
+    first, second = _banded_moments(x_image, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, i,
+                                    j, valid, mask, H, W, C, d, C_BLOCK)
+    x, _ = _load_tokens(x_image, tokens, valid, C, C_BLOCK)
     var_it = tl.maximum(second - first * first, 0.0)
     _store_output(y_ptr, mean_ptr, var_ptr, ratios_ptr, weight_ptr, bias_ptr, b, H * W, C,
                   tokens, valid, x, mask, first, var_it, centre[None, :], eps, C_BLOCK)
@@ -459,47 +487,6 @@ def _store_sums(partial_ptr, program, C, xg, g, mu_d1, var_d2, mit_d1, vit_d2,
     tl.store(out + 5 * C, vit_d2, mask=m)
 
 
-@triton.jit(do_not_specialize=['N', 'C'])
-def _token_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, first_ptr, second_ptr, centre_ptr,
-                            ratios_ptr, weight_ptr, dm_first_ptr, dm_second_ptr, partial_ptr, N,
-                            C, d, sb, sj, sh, eps, TILE: tl.constexpr, TILES: tl.constexpr,
-                            C_BLOCK: tl.constexpr):
-    """Without pooling (every token its own cell): dL/dm of TILE * TILES tokens of image b,
-    and their sums for the parameters. Cell views are indexed (b, token) with si = 0, sj the
-    token stride."""
-    b, p = tl.program_id(0), tl.program_id(1)
-    cols = tl.arange(0, C_BLOCK)
-    centre = tl.load(centre_ptr + b * C + cols, mask=cols < C, other=0.0)[None, :]
-    lam_m, kap_m, lam_v, kap_v, weight = _channel_rows(ratios_ptr, weight_ptr, C, C_BLOCK)
-    s_xg, s_g, s_mu, s_var, s_mit, s_vit = _zero_sums(C_BLOCK)
-    for t in range(TILES):
-        tokens = (p * TILES + t) * TILE + tl.arange(0, TILE)
-        valid = tokens < N
-        x, mask = _load_tokens(_image(x_ptr, b, N * C), tokens, valid, C, C_BLOCK)
-        g, _ = _load_tokens(_image(g_ptr, b, N * C), tokens, valid, C, C_BLOCK)
-        mean_ln = tl.load(_image(mean_ptr, b, N) + tokens, mask=valid, other=0.0)
-        var_ln = tl.load(_image(var_ptr, b, N) + tokens, mask=valid, other=0.0)
-        cell = _cell_offsets(0, tokens, cols, d, 0, sj, sh)  # every token its own cell
-        first, var_it = _inter_token(_image(first_ptr, b, sb), _image(second_ptr, b, sb), cell,
-                                     mask, True)
-        d1, d2, xg = _token_terms(x, g, mean_ln, var_ln, first, var_it, centre, lam_m, kap_m,
-                                  lam_v, kap_v, weight, eps)
-        d1, d2 = tl.where(mask, d1, 0.0), tl.where(mask, d2, 0.0)
-        # dL/dm_second = dL/dvar_it [var_it > 0], dL/dm_first = dL/dmu_it - 2 m_first dL/dm_second
-        dm_second = tl.where(var_it > 0, -0.5 * kap_v * d2, 0.0)
-        tl.store(_image(dm_first_ptr, b, sb) + cell, -kap_m * d1 - 2.0 * first * dm_second,
-                 mask=mask)
-        tl.store(_image(dm_second_ptr, b, sb) + cell, dm_second, mask=mask)
-        s_xg += tl.sum(tl.where(mask, xg, 0.0), axis=0)
-        s_g += tl.sum(g, axis=0)
-        s_mu += tl.sum(mean_ln[:, None] * d1, axis=0)
-        s_var += tl.sum(var_ln[:, None] * d2, axis=0)
-        s_mit += tl.sum((first + centre) * d1, axis=0)
-        s_vit += tl.sum(var_it * d2, axis=0)
-    _store_sums(partial_ptr, b * tl.num_programs(1) + p, C, s_xg, s_g, s_mu, s_var, s_mit, s_vit,
-                C_BLOCK)
-
-
 @triton.jit(do_not_specialize=['H', 'W', 'C'])
 def _cell_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, first_ptr, second_ptr, centre_ptr,
                            ratios_ptr, weight_ptr, dm_first_ptr, dm_second_ptr, partial_ptr, H, W,
@@ -521,7 +508,7 @@ def _cell_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, first_ptr, second_pt
             # the cell's statistics as one row [1, C_BLOCK], broadcast over its tokens
             cell = _cell_offsets(ci, cj + tl.zeros([1], tl.int32), cols, d, si, sj, sh)
             first, var_it = _inter_token(_image(first_ptr, b, sb), _image(second_ptr, b, sb), cell,
-                                         cmask[None, :], False)
+                                         cmask[None, :])
             cell_d1 = tl.zeros([C_BLOCK], tl.float32)
             cell_d2 = tl.zeros([C_BLOCK], tl.float32)
             for r in range(0, pool):
@@ -554,31 +541,22 @@ def _cell_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, first_ptr, second_pt
 
 
 def token_gradients(g, x, mean_ln, var_ln, first, second, centre, ratios, weight, eps, dm, grid):
-    """dL/dm into the head-major ``dm`` (its two slots, as cell views) and the sums (6, C)."""
+    """With pooling: dL/dm into the head-major ``dm`` (its two slots, as cell views) and the sums
+    (6, C)."""
     B, N, C = x.shape
     dm_first, dm_second = (grid.from_head_major(t) for t in dm.unbind(1))
     assert dm_first.stride() == first.stride(), 'dL/dm in the layout of m'
-    reads = [g, x, mean_ln, var_ln, first, second, centre, ratios, weight]
-    spec = _gradients_spec(C, grid.pool)
-    if not grid.pooled:
-        programs = (B, triton.cdiv(N, _tile(C) * _tiles(C)))
-        partial = x.new_empty(B * programs[1], 6, C, dtype=first.dtype)
-        sb, si, sj, sh = first.stride()[:4]
-        assert si == grid.W * sj, 'cell views without pooling: (H, W) contiguous'
-        _launch('triton.token_gradients', spec, programs, reads, [dm, partial], g, x, mean_ln,
-                var_ln, first, second, centre, ratios, weight, dm_first, dm_second, partial, N, C,
-                grid.d, sb, sj, sh, float(eps))
-    else:
-        programs = (B * grid.Hp, triton.cdiv(grid.Wp, CELLS_PER_PROGRAM))
-        partial = x.new_empty(programs[0] * programs[1], 6, C, dtype=first.dtype)
-        _launch('triton.cell_gradients', spec, programs, reads, [dm, partial], g, x, mean_ln,
-                var_ln, first, second, centre, ratios, weight, dm_first, dm_second, partial,
-                grid.H, grid.W, C, grid.pool, grid.d, *first.stride()[:4], float(eps))
+    programs = (B * grid.Hp, triton.cdiv(grid.Wp, CELLS_PER_PROGRAM))
+    partial = x.new_empty(programs[0] * programs[1], 6, C, dtype=first.dtype)
+    _launch('triton.cell_gradients', _gradients_spec(C, grid.pool), programs,
+            [g, x, mean_ln, var_ln, first, second, centre, ratios, weight], [dm, partial], g, x,
+            mean_ln, var_ln, first, second, centre, ratios, weight, dm_first, dm_second, partial,
+            grid.H, grid.W, C, grid.pool, grid.d, *first.stride()[:4], float(eps))
     return partial.sum(0)
 
 
 def _gradients_spec(C, pool):
-    return _walk_spec(_token_gradients_kernel, _cell_gradients_kernel, C, pool)
+    return _cells_spec(_cell_gradients_kernel, C, pool)
 
 
 # ---------------------------------------------------------------------------- backward pass 2
@@ -586,16 +564,16 @@ def _gradients_spec(C, pool):
 def _input_gradient_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, first_ptr, second_ptr, centre_ptr,
                            ratios_ptr, weight_ptr, d_first_ptr, d_second_ptr, dx_ptr, H, W, C,
                            pool, d, sb, si, sj, sh, tb, ti, tj, th, eps, n_var,
-                           RAW: tl.constexpr, SECOND: tl.constexpr, TILE: tl.constexpr,
-                           C_BLOCK: tl.constexpr):
-    """dx for TILE tokens of token row i of image b: D1 + x beta + alpha (the gradient of Eq. 2)
-    + (dL/dT_0 + 2 (x - centre) dL/dT_1) / n, with D1 and the per-token sums recomputed."""
+                           SECOND: tl.constexpr, TILE: tl.constexpr, C_BLOCK: tl.constexpr):
+    """With pooling: dx for TILE tokens of token row i of image b: D1 + x beta + alpha (the
+    gradient of Eq. 2) + (dL/dT_0 + 2 (x - centre) dL/dT_1) / n, with D1 and the per-token sums
+    recomputed."""
     b, i, j, valid, tokens, x, mask = _row_tile(x_ptr, H, W, C, TILE, C_BLOCK)
     g, _ = _load_tokens(_image(g_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
     cols = tl.arange(0, C_BLOCK)
     ci, cj = i // pool, j // pool
     first, var_it = _inter_token(_image(first_ptr, b, sb), _image(second_ptr, b, sb),
-                                 _cell_offsets(ci, cj, cols, d, si, sj, sh), mask, RAW)
+                                 _cell_offsets(ci, cj, cols, d, si, sj, sh), mask)
     centre = tl.load(centre_ptr + b * C + cols, mask=cols < C, other=0.0)[None, :]
     lam_m, kap_m, lam_v, kap_v, weight = _channel_rows(ratios_ptr, weight_ptr, C, C_BLOCK)
     mean_ln = tl.load(_image(mean_ptr, b, H * W) + tokens, mask=valid, other=0.0)
@@ -637,8 +615,8 @@ def input_gradient(g, x, mean_ln, var_ln, first, second, centre, ratios, weight,
 
 
 def _input_gradient_spec(C, pool, second):
-    return (_input_gradient_kernel, dict(RAW=pool == 1, SECOND=second, TILE=_tile(C),
-                                         C_BLOCK=_c_block(C)), _warps(C))
+    return (_input_gradient_kernel, dict(SECOND=second, TILE=_tile(C), C_BLOCK=_c_block(C)),
+            _warps(C))
 
 
 # ---------------------------------------------------------------------------- fused backward
@@ -698,9 +676,9 @@ def _fused_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, centre_ptr, p_y_ptr
                 valid = j < W
                 mask = valid[:, None] & cmask[None, :]
                 lo_x, hi_x = _axis_span(span_x_ptr, j, valid, W)
-                p_x_rows = p_x_ptr + head[None, :] * W * W + j[:, None] * W
-                u_first, u_second = _row_products(x_image, centre, p_x_rows, i2, lo_x, hi_x,
-                                                  mask, W, C, C_BLOCK)
+                p_x_rows = head[None, :] * W * W + j[:, None] * W
+                u_first, u_second = _row_products(x_image, centre, p_x_ptr, p_x_rows, i2, lo_x,
+                                                  hi_x, mask, W, C, C_BLOCK)
                 offsets = (i * W + j)[:, None] * C + cols[None, :]
                 dm_first = tl.load(dm_first_image + offsets, mask=mask, other=0.0)
                 dm_second = tl.load(dm_second_image + offsets, mask=mask, other=0.0)
@@ -764,7 +742,7 @@ def _fused_input_gradient_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, centre_ptr, p_
                 cell = (i1 * W + j1) * C + cols
                 du_first += w * tl.load(dm_first_image + cell, mask=cmask, other=0.0)
                 du_second += w * tl.load(dm_second_image + cell, mask=cmask, other=0.0)
-            w = tl.load(p_x_ptr + head[None, :] * W * W + j1 * W + j[:, None], mask=mask,
+            w = tl.load(p_x_ptr + (head[None, :] * W * W + j1 * W + j[:, None]), mask=mask,
                         other=0.0)
             dT_first += w * du_first[None, :]
             dT_second += w * du_second[None, :]
