@@ -620,6 +620,35 @@ def _input_gradient_spec(C, pool, second):
 
 
 # ---------------------------------------------------------------------------- fused backward
+@triton.jit
+def _image_constants(centre_ptr, ratios_ptr, weight_ptr, b, C, C_BLOCK: tl.constexpr):
+    """Image b's centre [C_BLOCK] and the channel rows of :func:`_channel_rows`."""
+    cols = tl.arange(0, C_BLOCK)
+    centre = tl.load(centre_ptr + b * C + cols, mask=cols < C, other=0.0)
+    lam_m, kap_m, lam_v, kap_v, weight = _channel_rows(ratios_ptr, weight_ptr, C, C_BLOCK)
+    return centre, lam_m, kap_m, lam_v, kap_v, weight
+
+
+@triton.jit
+def _fused_token_terms(x_ptr, g_ptr, mean_ptr, var_ptr, centre, p_y_ptr, p_x_ptr, span_y_ptr,
+                       span_x_ptr, lam_m, kap_m, lam_v, kap_v, weight, b, i, j, valid, H, W, C,
+                       d, eps, C_BLOCK: tl.constexpr):
+    """Without pooling, the tokens (i, j) of image b: x and its mask, dL/dy, Eq. 2, P^h T_0 and
+    the inter-token variance (m formed on chip), D1 and D2 (zero outside the mask) and xhat g."""
+    tokens = i * W + j
+    x, mask = _load_tokens(_image(x_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
+    g, _ = _load_tokens(_image(g_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
+    mean_ln = tl.load(_image(mean_ptr, b, H * W) + tokens, mask=valid, other=0.0)
+    var_ln = tl.load(_image(var_ptr, b, H * W) + tokens, mask=valid, other=0.0)
+    first, second = _banded_moments(_image(x_ptr, b, H * W * C), centre, p_y_ptr, p_x_ptr,
+                                    span_y_ptr, span_x_ptr, i, j, valid, mask, H, W, C, d, C_BLOCK)
+    var_it = tl.maximum(second - first * first, 0.0)
+    d1, d2, xg = _token_terms(x, g, mean_ln, var_ln, first, var_it, centre[None, :], lam_m, kap_m,
+                              lam_v, kap_v, weight, eps)
+    return x, mask, g, mean_ln, var_ln, first, var_it, tl.where(mask, d1, 0.0), \
+        tl.where(mask, d2, 0.0), xg
+
+
 @triton.jit(do_not_specialize=['H', 'W', 'C'])
 def _fused_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, centre_ptr, p_y_ptr, p_x_ptr,
                             span_y_ptr, span_x_ptr, ratios_ptr, weight_ptr, dm_first_ptr,
@@ -634,31 +663,23 @@ def _fused_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, centre_ptr, p_y_ptr
     cols = tl.arange(0, C_BLOCK)
     cmask = cols < C
     head = cols // d
-    centre = tl.load(centre_ptr + b * C + cols, mask=cmask, other=0.0)
-    lam_m, kap_m, lam_v, kap_v, weight = _channel_rows(ratios_ptr, weight_ptr, C, C_BLOCK)
+    centre, lam_m, kap_m, lam_v, kap_v, weight = _image_constants(centre_ptr, ratios_ptr,
+                                                                  weight_ptr, b, C, C_BLOCK)
     x_image = _image(x_ptr, b, H * W * C)
-    dm_first_image = _image(dm_first_ptr, b, H * W * C)
-    dm_second_image = _image(dm_second_ptr, b, H * W * C)
+    dm_images = _image(dm_first_ptr, b, H * W * C), _image(dm_second_ptr, b, H * W * C)
     s_xg, s_g, s_mu, s_var, s_mit, s_vit = _zero_sums(C_BLOCK)
     for start in range(0, W, TILE):
         j = start + tl.arange(0, TILE)
         valid = j < W
         tokens = i * W + j
-        x, mask = _load_tokens(x_image, tokens, valid, C, C_BLOCK)
-        g, _ = _load_tokens(_image(g_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
-        mean_ln = tl.load(_image(mean_ptr, b, H * W) + tokens, mask=valid, other=0.0)
-        var_ln = tl.load(_image(var_ptr, b, H * W) + tokens, mask=valid, other=0.0)
-        first, second = _banded_moments(x_image, centre, p_y_ptr, p_x_ptr, span_y_ptr,
-                                        span_x_ptr, i, j, valid, mask, H, W, C, d, C_BLOCK)
-        var_it = tl.maximum(second - first * first, 0.0)
-        d1, d2, xg = _token_terms(x, g, mean_ln, var_ln, first, var_it, centre[None, :], lam_m,
-                                  kap_m, lam_v, kap_v, weight, eps)
-        d1, d2 = tl.where(mask, d1, 0.0), tl.where(mask, d2, 0.0)
+        x, mask, g, mean_ln, var_ln, first, var_it, d1, d2, xg = _fused_token_terms(
+            x_ptr, g_ptr, mean_ptr, var_ptr, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr,
+            lam_m, kap_m, lam_v, kap_v, weight, b, i, j, valid, H, W, C, d, eps, C_BLOCK)
         # dL/dm_second = dL/dvar_it [var_it > 0], dL/dm_first = dL/dmu_it - 2 m_first dm_second
         dm_second = tl.where(var_it > 0, -0.5 * kap_v * d2, 0.0)
         offsets = tokens[:, None] * C + cols[None, :]
-        tl.store(dm_first_image + offsets, -kap_m * d1 - 2.0 * first * dm_second, mask=mask)
-        tl.store(dm_second_image + offsets, dm_second, mask=mask)
+        tl.store(dm_images[0] + offsets, -kap_m * d1 - 2.0 * first * dm_second, mask=mask)
+        tl.store(dm_images[1] + offsets, dm_second, mask=mask)
         s_xg += tl.sum(tl.where(mask, xg, 0.0), axis=0)
         s_g += tl.sum(g, axis=0)
         s_mu += tl.sum(mean_ln[:, None] * d1, axis=0)
@@ -680,8 +701,8 @@ def _fused_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, centre_ptr, p_y_ptr
                 u_first, u_second = _row_products(x_image, centre, p_x_ptr, p_x_rows, i2, lo_x,
                                                   hi_x, mask, W, C, C_BLOCK)
                 offsets = (i * W + j)[:, None] * C + cols[None, :]
-                dm_first = tl.load(dm_first_image + offsets, mask=mask, other=0.0)
-                dm_second = tl.load(dm_second_image + offsets, mask=mask, other=0.0)
+                dm_first = tl.load(dm_images[0] + offsets, mask=mask, other=0.0)
+                dm_second = tl.load(dm_images[1] + offsets, mask=mask, other=0.0)
                 total += tl.sum(dm_first * u_first + dm_second * u_second, axis=0)
         for h in range(heads):
             tl.store(grad_p_y_ptr + ((b * heads + h) * H + i) * H + i2,
@@ -704,11 +725,9 @@ def _fused_input_gradient_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, centre_ptr, p_
     cols = tl.arange(0, C_BLOCK)
     cmask = cols < C
     head = cols // d
-    centre = tl.load(centre_ptr + b * C + cols, mask=cmask, other=0.0)
-    lam_m, kap_m, lam_v, kap_v, weight = _channel_rows(ratios_ptr, weight_ptr, C, C_BLOCK)
-    x_image = _image(x_ptr, b, H * W * C)
-    dm_first_image = _image(dm_first_ptr, b, H * W * C)
-    dm_second_image = _image(dm_second_ptr, b, H * W * C)
+    centre, lam_m, kap_m, lam_v, kap_v, weight = _image_constants(centre_ptr, ratios_ptr,
+                                                                  weight_ptr, b, C, C_BLOCK)
+    dm_images = _image(dm_first_ptr, b, H * W * C), _image(dm_second_ptr, b, H * W * C)
     for j1 in range(0, W):
         for h in range(heads):
             tl.store(grad_p_x_ptr + ((b * heads + h) * W + j1) * W + j,
@@ -717,16 +736,9 @@ def _fused_input_gradient_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, centre_ptr, p_
     lo_j, hi_j = _axis_span(span_x_ptr + 2 * W, j, valid, W)  # rows of P_x nonzero at columns j
     for i in range(0, H):
         tokens = i * W + j
-        x, mask = _load_tokens(x_image, tokens, valid, C, C_BLOCK)
-        g, _ = _load_tokens(_image(g_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
-        mean_ln = tl.load(_image(mean_ptr, b, H * W) + tokens, mask=valid, other=0.0)
-        var_ln = tl.load(_image(var_ptr, b, H * W) + tokens, mask=valid, other=0.0)
-        first, second = _banded_moments(x_image, centre, p_y_ptr, p_x_ptr, span_y_ptr,
-                                        span_x_ptr, i, j, valid, mask, H, W, C, d, C_BLOCK)
-        var_it = tl.maximum(second - first * first, 0.0)
-        d1, d2, _ = _token_terms(x, g, mean_ln, var_ln, first, var_it, centre[None, :], lam_m,
-                                 kap_m, lam_v, kap_v, weight, eps)
-        d1, d2 = tl.where(mask, d1, 0.0), tl.where(mask, d2, 0.0)
+        x, mask, g, mean_ln, var_ln, first, var_it, d1, d2, _ = _fused_token_terms(
+            x_ptr, g_ptr, mean_ptr, var_ptr, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr,
+            lam_m, kap_m, lam_v, kap_v, weight, b, i, j, valid, H, W, C, d, eps, C_BLOCK)
         # Eq. 2 backwards: dL/dvar_ln = -sum(D2 lam_v) / 2, dL/dmu_ln = -sum(D1 lam_m)
         beta = -tl.sum(d2 * lam_v, axis=1) / n_var
         alpha = -tl.sum(d1 * lam_m, axis=1) / C - beta * mean_ln
@@ -740,8 +752,8 @@ def _fused_input_gradient_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, centre_ptr, p_
             for i1 in range(lo_i, hi_i):
                 w = tl.load(p_y_ptr + head * H * H + i1 * H + i, mask=cmask, other=0.0)
                 cell = (i1 * W + j1) * C + cols
-                du_first += w * tl.load(dm_first_image + cell, mask=cmask, other=0.0)
-                du_second += w * tl.load(dm_second_image + cell, mask=cmask, other=0.0)
+                du_first += w * tl.load(dm_images[0] + cell, mask=cmask, other=0.0)
+                du_second += w * tl.load(dm_images[1] + cell, mask=cmask, other=0.0)
             w = tl.load(p_x_ptr + (head[None, :] * W * W + j1 * W + j[:, None]), mask=mask,
                         other=0.0)
             dT_first += w * du_first[None, :]
