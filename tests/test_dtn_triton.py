@@ -167,7 +167,7 @@ def test_kernels_compile_for_sm90_without_spills():
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout)
     kernels = {r['kernel'] for r in rows}
-    assert kernels == {'_token_statistics_kernel', '_cell_statistics_kernel', '_output_kernel',
+    assert kernels == {'_token_statistics_kernel', '_cell_statistics_kernel', '_cell_output_kernel',
                        '_cell_gradients_kernel', '_input_gradient_kernel', '_spans_kernel',
                        '_fused_output_kernel', '_fused_gradients_kernel',
                        '_fused_input_gradient_kernel'}

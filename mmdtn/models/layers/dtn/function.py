@@ -123,6 +123,9 @@ def dtn_forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps, conventio
 
 
 def _forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
+    if grid.pooled and backend.fuses_cell_products(x, grid):
+        return backend.fused_cell_forward(x, p_y, p_x, ratios, weight, bias, eps, grid,
+                                          convention)
     stats = backend.statistics(x, grid, convention)
     if backend.fuses_products(x, grid, p_x):
         y = backend.fused_output(x, stats, p_y, p_x, ratios, weight, bias, eps, grid)

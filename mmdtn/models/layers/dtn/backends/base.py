@@ -65,6 +65,12 @@ class Backend:
         ``fused_output`` and ``fused_backward`` replace the staged passes)."""
         return False
 
+    def fuses_cell_products(self, x, grid):
+        """Whether, with pooling, the forward pass forms the positional products of the cells
+        inside its passes (then ``fused_cell_forward(x, p_y, p_x, ratios, weight, bias, eps, grid,
+        convention)`` returns y and the :class:`..function.Saved` of the staged backward)."""
+        return False
+
 
 class DenseFactor:
     """Products with one positional factor P (heads, L, L) as batched dense matrix products.

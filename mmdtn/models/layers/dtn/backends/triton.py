@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from ..function import TokenStatistics, define_custom_ops
+from ..function import Saved, TokenStatistics, define_custom_ops
 from .base import Backend, DenseFactor
 
 try:
@@ -65,23 +65,15 @@ class TritonBackend(Backend):
         if not grid.pooled:  # cells: per-image channel sums of the programs
             centre = (cells.sum(1) / grid.N).view(grid.B, 1, 1, grid.C)
             return TokenStatistics(mean_ln, var_ln, centre, grid.cell_means(x), None)  # a view
-        cell_mean, cell_m2 = cells
-        centre = cell_mean.mean(dim=(1, 2), keepdim=True)
+        cell_mean, cell_var, centre = cells
         cell_second = None
         if not convention.square_of_pooled:  # the mean of (x - centre)^2 over the cell
-            counts = grid.cell_counts(x.device, cell_m2.dtype)
-            cell_second = cell_m2 / counts + (cell_mean - centre).square()
+            cell_second = cell_var + (cell_mean - centre).square()
         return TokenStatistics(mean_ln, var_ln, centre, cell_mean, cell_second)
 
     @staticmethod
     def _cells(m, grid):
         return [grid.from_head_major(t) for t in m.unbind(1)]
-
-    def output(self, x, stats, m, ratios, weight, bias, eps, grid):
-        first, second = self._cells(m, grid)
-        return kernels.output(x, stats.mean_ln, stats.var_ln, first, second,
-                              stats.centre.contiguous(), ratios.contiguous(),
-                              weight.contiguous(), bias.contiguous(), eps, grid)
 
     def token_gradients(self, g, x, saved, m, ratios, weight, eps, grid):
         dm = torch.empty_like(m)
@@ -101,6 +93,18 @@ class TritonBackend(Backend):
 
     def fuses_products(self, x, grid, p_x):
         return not grid.pooled
+
+    def fuses_cell_products(self, x, grid):
+        return True
+
+    def fused_cell_forward(self, x, p_y, p_x, ratios, weight, bias, eps, grid, convention):
+        n_var = grid.C - 1 if convention.unbiased_ln_var else grid.C
+        mean_ln, var_ln, (cell_mean, cell_var, centre) = kernels.statistics(x, grid, n_var)
+        y, T, m = kernels.cell_output(x, mean_ln, var_ln, cell_mean, cell_var, centre,
+                                      p_y.detach().contiguous(), p_x.detach().contiguous(),
+                                      ratios.contiguous(), weight.contiguous(),
+                                      bias.contiguous(), eps, convention.square_of_pooled, grid)
+        return y, Saved(mean_ln, var_ln, centre, T, m)
 
     def fused_output(self, x, stats, p_y, p_x, ratios, weight, bias, eps, grid):
         return kernels.fused_output(x, stats.mean_ln, stats.var_ln, stats.centre.contiguous(),

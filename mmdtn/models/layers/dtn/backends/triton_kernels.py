@@ -47,7 +47,7 @@ import triton.language as tl
 
 from .base import record_launch
 
-__all__ = ['statistics', 'output', 'token_gradients', 'input_gradient', 'specializations',
+__all__ = ['statistics', 'cell_output', 'token_gradients', 'input_gradient', 'specializations',
            'TOKEN_POINTERS', 'INDEX_POINTERS', 'spans', 'fused_output',
            'fused_backward']
 
@@ -204,16 +204,18 @@ def _token_statistics_kernel(x_ptr, mean_ptr, var_ptr, partial_ptr, N, C, n_var,
 
 
 @triton.jit(do_not_specialize=['H', 'W', 'C'])
-def _cell_statistics_kernel(x_ptr, mean_ptr, var_ptr, cell_mean_ptr, cell_m2_ptr, H, W, C,
-                            pool, n_var, CELLS: tl.constexpr, S_BLOCK: tl.constexpr,
+def _cell_statistics_kernel(x_ptr, mean_ptr, var_ptr, cell_mean_ptr, cell_var_ptr, partial_ptr,
+                            H, W, C, pool, n_var, CELLS: tl.constexpr, S_BLOCK: tl.constexpr,
                             C_BLOCK: tl.constexpr):
-    """With pooling: Eq. 2 for the tokens of CELLS cells of cell row ci of image b, and per cell
-    the mean of x and the sum of squares about it (rows merged as in Chan et al.)."""
+    """With pooling: Eq. 2 for the tokens of CELLS cells of cell row ci of image b, per cell the
+    mean of x and the mean of squares about it (rows merged as in Chan et al.), and the sum of
+    the cell means (for the centre)."""
     row, block = tl.program_id(0), tl.program_id(1)
     Hp, Wp = (H + pool - 1) // pool, (W + pool - 1) // pool
     b, ci = row // Hp, row % Hp
     cols = tl.arange(0, C_BLOCK)
     x_image = _image(x_ptr, b, H * W * C)
+    total_mean = tl.zeros([C_BLOCK], tl.float32)
     for c in range(CELLS):
         cj = block * CELLS + c
         if cj < Wp:
@@ -238,13 +240,17 @@ def _cell_statistics_kernel(x_ptr, mean_ptr, var_ptr, cell_mean_ptr, cell_m2_ptr
                 count = total
             out = (row * Wp + cj).to(tl.int64) * C + cols
             tl.store(cell_mean_ptr + out, mean, mask=cols < C)
-            tl.store(cell_m2_ptr + out, m2, mask=cols < C)
+            tl.store(cell_var_ptr + out, m2 / count, mask=cols < C)
+            total_mean += mean
+    tl.store(partial_ptr + (row * tl.num_programs(1) + block).to(tl.int64) * C + cols,
+             total_mean, mask=cols < C)
 
 
 def statistics(x, grid, n_var):
     """Eq. 2 per token, float32 (B, N, 1) each, and the cell moments of x: without pooling the
-    per-image channel sums (B, P, C) of P programs; with pooling the cell means and the sums of
-    squares about them, (B, Hp, Wp, C) each."""
+    per-image channel sums (B, P, C) of P programs; with pooling the cell means and the means of
+    squares about them, (B, Hp, Wp, C) each, and the centre (B, 1, 1, C), the mean of the cell
+    means."""
     B, N, C = x.shape
     f32 = dict(dtype=torch.float32, device=x.device)
     mean_ln, var_ln = torch.empty(B, N, 1, **f32), torch.empty(B, N, 1, **f32)
@@ -256,12 +262,14 @@ def statistics(x, grid, n_var):
                 x, mean_ln, var_ln, partial, N, C, float(n_var))
         return mean_ln, var_ln, partial
     cell_mean = torch.empty(B, grid.Hp, grid.Wp, C, **f32)
-    cell_m2 = torch.empty_like(cell_mean)
-    _launch('triton.cell_statistics', spec,
-            (B * grid.Hp, triton.cdiv(grid.Wp, CELLS_PER_PROGRAM)), [x],
-            [mean_ln, var_ln, cell_mean, cell_m2], x, mean_ln, var_ln, cell_mean, cell_m2,
-            grid.H, grid.W, C, grid.pool, float(n_var))
-    return mean_ln, var_ln, (cell_mean, cell_m2)
+    cell_var = torch.empty_like(cell_mean)
+    programs = (B * grid.Hp, triton.cdiv(grid.Wp, CELLS_PER_PROGRAM))
+    partial = torch.empty(B, grid.Hp * programs[1], C, **f32)
+    _launch('triton.cell_statistics', spec, programs, [x],
+            [mean_ln, var_ln, cell_mean, cell_var, partial], x, mean_ln, var_ln, cell_mean,
+            cell_var, partial, grid.H, grid.W, C, grid.pool, float(n_var))
+    centre = (partial.sum(1) / (grid.Hp * grid.Wp)).view(B, 1, 1, C)
+    return mean_ln, var_ln, (cell_mean, cell_var, centre)
 
 
 def _cells_spec(cell_kernel, C, pool):
@@ -278,20 +286,6 @@ def _statistics_spec(C, pool):
 
 
 # ---------------------------------------------------------------------------- output
-@triton.jit(do_not_specialize=['H', 'W', 'C'])
-def _output_kernel(x_ptr, mean_ptr, var_ptr, first_ptr, second_ptr, centre_ptr, ratios_ptr,
-                   weight_ptr, bias_ptr, y_ptr, H, W, C, pool, d, sb, si, sj, sh, eps,
-                   TILE: tl.constexpr, C_BLOCK: tl.constexpr):
-    """With pooling: Eqs. 4 and 5 for TILE tokens of token row i of image b."""
-    b, i, j, valid, tokens, x, mask = _row_tile(x_ptr, H, W, C, TILE, C_BLOCK)
-    cols = tl.arange(0, C_BLOCK)
-    cell = _cell_offsets(i // pool, j // pool, cols, d, si, sj, sh)
-    first, var_it = _inter_token(_image(first_ptr, b, sb), _image(second_ptr, b, sb), cell, mask)
-    centre = tl.load(centre_ptr + b * C + cols, mask=cols < C, other=0.0)[None, :]
-    _store_output(y_ptr, mean_ptr, var_ptr, ratios_ptr, weight_ptr, bias_ptr, b, H * W, C,
-                  tokens, valid, x, mask, first, var_it, centre, eps, C_BLOCK)
-
-
 @triton.jit
 def _store_output(y_ptr, mean_ptr, var_ptr, ratios_ptr, weight_ptr, bias_ptr, b, N, C, tokens,
                   valid, x, mask, first, var_it, centre, eps, C_BLOCK: tl.constexpr):
@@ -306,23 +300,6 @@ def _store_output(y_ptr, mean_ptr, var_ptr, ratios_ptr, weight_ptr, bias_ptr, b,
     y = xhat * weight + bias
     tl.store(_image(y_ptr, b, N * C) + tokens[:, None] * C + cols[None, :],
              y.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-def output(x, mean_ln, var_ln, first, second, centre, ratios, weight, bias, eps, grid):
-    """With pooling: y (x's shape and dtype) from x, Eq. 2 and the cell views of m (see the
-    module docstring)."""
-    B, N, C = x.shape
-    y = x.new_empty(x.shape)
-    _launch('triton.output', _output_spec(C, grid.pool),
-            (B * grid.H, triton.cdiv(grid.W, _tile(C))),
-            [x, mean_ln, var_ln, first, second, centre, ratios, weight, bias], [y],
-            x, mean_ln, var_ln, first, second, centre, ratios, weight, bias, y, grid.H, grid.W, C,
-            grid.pool, grid.d, *first.stride()[:4], float(eps))
-    return y
-
-
-def _output_spec(C, pool):
-    return _output_kernel, dict(TILE=_tile(C), C_BLOCK=_c_block(C)), _warps(C)
 
 
 # ---------------------------------------------------------------------------- banded products
@@ -371,30 +348,42 @@ def _axis_span(spans_ptr, rows, valid, L):
 
 
 @triton.jit
-def _row_products(x_image, centre, p_x_ptr, p_x_rows, i2, lo_x, hi_x, mask, W, C,
-                  C_BLOCK: tl.constexpr):
-    """u = P_x T [TILE, C_BLOCK] of token row i2 at the columns whose rows of P_x start at the
-    offsets ``p_x_rows`` (their nonzero span: [lo_x, hi_x)), for the moments T = (x - centre,
-    (x - centre)^2) read from ``x_image``."""
+def _moments(mean_image, spread_image, centre, offsets, mask, SPREAD: tl.constexpr):
+    """The moments T at ``offsets``: the mean about the centre, t = mean - centre (zero outside
+    the mask), and the second moment about the centre, t^2, plus with SPREAD the mean of squares
+    about the mean from ``spread_image``. Without pooling the means are the tokens x."""
+    t = tl.load(mean_image + offsets, mask=mask, other=0.0).to(tl.float32)
+    t = tl.where(mask, t - centre, 0.0)
+    if SPREAD:
+        return t, tl.load(spread_image + offsets, mask=mask, other=0.0) + t * t
+    return t, t * t
+
+
+@triton.jit
+def _row_products(mean_image, spread_image, centre, p_x_ptr, p_x_rows, i2, lo_x, hi_x, mask, W,
+                  C, SPREAD: tl.constexpr, C_BLOCK: tl.constexpr):
+    """u = P_x T [TILE, C_BLOCK] of row i2 (of tokens, or of cells with pooling: W their number)
+    at the columns whose rows of P_x start at the offsets ``p_x_rows`` (their nonzero span:
+    [lo_x, hi_x)), for the moments T of :func:`_moments`."""
     cols = tl.arange(0, C_BLOCK)
     cmask = cols < C
     u_first = tl.zeros(mask.shape, tl.float32)
     u_second = tl.zeros(mask.shape, tl.float32)
     for j2 in range(lo_x, hi_x):
-        t = tl.load(x_image + (i2 * W + j2) * C + cols, mask=cmask, other=0.0).to(tl.float32)
-        t = tl.where(cmask, t - centre, 0.0)[None, :]
+        t_first, t_second = _moments(mean_image, spread_image, centre, (i2 * W + j2) * C + cols,
+                                     cmask, SPREAD)
         w = tl.load(p_x_ptr + (p_x_rows + j2), mask=mask, other=0.0)
-        u_first += w * t
-        u_second += w * (t * t)
+        u_first += w * t_first[None, :]
+        u_second += w * t_second[None, :]
     return u_first, u_second
 
 
 @triton.jit
-def _banded_moments(x_image, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, i, j, valid, mask,
-                    H, W, C, d, C_BLOCK: tl.constexpr):
-    """Without pooling, m = P_y (P_x T) (Eq. 5) of tokens (i, j) [TILE, C_BLOCK] over the nonzero
-    band of P_y's row i and of P_x's rows j: u = P_x T of every row of the band is formed on chip
-    (:func:`_row_products`)."""
+def _banded_moments(mean_image, spread_image, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr,
+                    i, j, valid, mask, H, W, C, d, SPREAD: tl.constexpr, C_BLOCK: tl.constexpr):
+    """m = P_y (P_x T) (Eq. 5) [TILE, C_BLOCK] of the tokens, or with pooling the cells, (i, j)
+    of an H x W grid over the nonzero band of P_y's row i and of P_x's rows j: u = P_x T of
+    every row of the band is formed on chip (:func:`_row_products`)."""
     cols = tl.arange(0, C_BLOCK)
     head = cols // d
     lo_y, hi_y = _axis_span(span_y_ptr, i + tl.zeros([1], tl.int32), i >= 0, H)
@@ -404,8 +393,8 @@ def _banded_moments(x_image, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, i
     first = tl.zeros(mask.shape, tl.float32)
     second = tl.zeros(mask.shape, tl.float32)
     for i2 in range(lo_y, hi_y):
-        u_first, u_second = _row_products(x_image, centre, p_x_ptr, p_x_rows, i2, lo_x, hi_x,
-                                          mask, W, C, C_BLOCK)
+        u_first, u_second = _row_products(mean_image, spread_image, centre, p_x_ptr, p_x_rows, i2,
+                                          lo_x, hi_x, mask, W, C, SPREAD, C_BLOCK)
         w = tl.load(p_y_row + i2, mask=cols < C, other=0.0)[None, :]
         first += w * u_first
         second += w * u_second
@@ -427,8 +416,8 @@ def _fused_output_kernel(x_ptr, mean_ptr, var_ptr, centre_ptr, p_y_ptr, p_x_ptr,
     mask = valid[:, None] & (cols < C)[None, :]
     centre = tl.load(centre_ptr + b * C + cols, mask=cols < C, other=0.0)
     x_image = _image(x_ptr, b, H * W * C)
-    first, second = _banded_moments(x_image, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, i,
-                                    j, valid, mask, H, W, C, d, C_BLOCK)
+    first, second = _banded_moments(x_image, x_image, centre, p_y_ptr, p_x_ptr, span_y_ptr,
+                                    span_x_ptr, i, j, valid, mask, H, W, C, d, False, C_BLOCK)
     x, _ = _load_tokens(x_image, tokens, valid, C, C_BLOCK)
     var_it = tl.maximum(second - first * first, 0.0)
     _store_output(y_ptr, mean_ptr, var_ptr, ratios_ptr, weight_ptr, bias_ptr, b, H * W, C,
@@ -451,6 +440,72 @@ def fused_output(x, mean_ln, var_ln, centre, p_y, p_x, ratios, weight, bias, eps
 
 def _fused_output_spec(C):
     return _fused_output_kernel, dict(TILE=_tile(C), C_BLOCK=_c_block(C)), _warps(C)
+
+
+@triton.jit(do_not_specialize=['H', 'W', 'C'])
+def _cell_output_kernel(x_ptr, mean_ptr, var_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr,
+                        p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, ratios_ptr, weight_ptr, bias_ptr,
+                        y_ptr, t_first_ptr, t_second_ptr, m_first_ptr, m_second_ptr, H, W, C,
+                        pool, d, tb, ti, tj, th, sb, si, sj, sh, eps, SPREAD: tl.constexpr,
+                        TILE: tl.constexpr, C_BLOCK: tl.constexpr):
+    """With pooling: Eqs. 4 and 5 for TILE tokens of token row i of image b, the positional
+    products of their cells formed on chip from the band of cell moments; the first token of
+    every cell also writes the cell's T and m (strided cell views), which the backward reads."""
+    row, block = tl.program_id(0), tl.program_id(1)
+    b, i = row // H, row % H
+    Hp, Wp = (H + pool - 1) // pool, (W + pool - 1) // pool
+    j = block * TILE + tl.arange(0, TILE)
+    valid = j < W
+    tokens = i * W + j
+    cols = tl.arange(0, C_BLOCK)
+    mask = valid[:, None] & (cols < C)[None, :]
+    centre = tl.load(centre_ptr + b * C + cols, mask=cols < C, other=0.0)
+    ci, cj = i // pool, j // pool
+    cells = _image(cell_mean_ptr, b, Hp * Wp * C), _image(cell_var_ptr, b, Hp * Wp * C)
+    first, second = _banded_moments(cells[0], cells[1], centre, p_y_ptr, p_x_ptr, span_y_ptr,
+                                    span_x_ptr, ci, cj, valid, mask, Hp, Wp, C, d, SPREAD, C_BLOCK)
+    var_it = tl.maximum(second - first * first, 0.0)
+    corner = mask & ((j % pool == 0) & (i % pool == 0))[:, None]
+    t_first, t_second = _moments(cells[0], cells[1], centre,
+                                 (ci * Wp + cj)[:, None] * C + cols[None, :], corner, SPREAD)
+    kept = _cell_offsets(ci, cj, cols, d, ti, tj, th)
+    tl.store(_image(t_first_ptr, b, tb) + kept, t_first, mask=corner)
+    tl.store(_image(t_second_ptr, b, tb) + kept, t_second, mask=corner)
+    kept = _cell_offsets(ci, cj, cols, d, si, sj, sh)
+    tl.store(_image(m_first_ptr, b, sb) + kept, first, mask=corner)
+    tl.store(_image(m_second_ptr, b, sb) + kept, var_it, mask=corner)
+    x, _ = _load_tokens(_image(x_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
+    _store_output(y_ptr, mean_ptr, var_ptr, ratios_ptr, weight_ptr, bias_ptr, b, H * W, C,
+                  tokens, valid, x, mask, first, var_it, centre[None, :], eps, C_BLOCK)
+
+
+def cell_output(x, mean_ln, var_ln, cell_mean, cell_var, centre, p_y, p_x, ratios, weight, bias,
+                eps, square_of_pooled, grid):
+    """With pooling: y (x's shape and dtype) from x, Eq. 2 and the cell moments of
+    :func:`statistics`, the products formed on chip over the nonzero bands of p_y (heads, Hp, Hp)
+    and p_x (heads, Wp, Wp); and, float32, the moments T (column-major, (heads, Wp, 2, B, Hp, d))
+    and the products m (head-major, (heads, 2, B, Hp, Wp, d)) of the cells, as the staged
+    backward of ``function.py`` takes them."""
+    B, N, C = x.shape
+    heads, Hp, Wp, d = grid.heads, grid.Hp, grid.Wp, grid.d
+    span_y, span_x = spans(p_y), spans(p_x)
+    y = x.new_empty(x.shape)
+    T = torch.empty(heads, Wp, 2, B, Hp, d, dtype=torch.float32, device=x.device)
+    m = torch.empty(heads, 2, B, Hp, Wp, d, dtype=torch.float32, device=x.device)
+    t_views = [grid.from_column_major(T[:, :, k]) for k in range(2)]
+    m_views = [grid.from_head_major(m[:, k]) for k in range(2)]
+    reads = [x, mean_ln, var_ln, cell_mean, cell_var, centre, p_y, p_x, span_y, span_x, ratios,
+             weight, bias]
+    _launch('triton.cell_output', _cell_output_spec(C, not square_of_pooled),
+            (B * grid.H, triton.cdiv(grid.W, _tile(C))), reads, [y, T, m], *reads, y, *t_views,
+            *m_views, grid.H, grid.W, C, grid.pool, d, *t_views[0].stride()[:4],
+            *m_views[0].stride()[:4], float(eps))
+    return y, T, m
+
+
+def _cell_output_spec(C, spread):
+    return (_cell_output_kernel, dict(SPREAD=spread, TILE=_tile(C), C_BLOCK=_c_block(C)),
+            _warps(C))
 
 
 # ---------------------------------------------------------------------------- backward pass 1
@@ -640,8 +695,9 @@ def _fused_token_terms(x_ptr, g_ptr, mean_ptr, var_ptr, centre, p_y_ptr, p_x_ptr
     g, _ = _load_tokens(_image(g_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
     mean_ln = tl.load(_image(mean_ptr, b, H * W) + tokens, mask=valid, other=0.0)
     var_ln = tl.load(_image(var_ptr, b, H * W) + tokens, mask=valid, other=0.0)
-    first, second = _banded_moments(_image(x_ptr, b, H * W * C), centre, p_y_ptr, p_x_ptr,
-                                    span_y_ptr, span_x_ptr, i, j, valid, mask, H, W, C, d, C_BLOCK)
+    x_image = _image(x_ptr, b, H * W * C)
+    first, second = _banded_moments(x_image, x_image, centre, p_y_ptr, p_x_ptr, span_y_ptr,
+                                    span_x_ptr, i, j, valid, mask, H, W, C, d, False, C_BLOCK)
     var_it = tl.maximum(second - first * first, 0.0)
     d1, d2, xg = _token_terms(x, g, mean_ln, var_ln, first, var_it, centre[None, :], lam_m, kap_m,
                               lam_v, kap_v, weight, eps)
@@ -698,8 +754,8 @@ def _fused_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, centre_ptr, p_y_ptr
                 mask = valid[:, None] & cmask[None, :]
                 lo_x, hi_x = _axis_span(span_x_ptr, j, valid, W)
                 p_x_rows = head[None, :] * W * W + j[:, None] * W
-                u_first, u_second = _row_products(x_image, centre, p_x_ptr, p_x_rows, i2, lo_x,
-                                                  hi_x, mask, W, C, C_BLOCK)
+                u_first, u_second = _row_products(x_image, x_image, centre, p_x_ptr, p_x_rows, i2,
+                                                  lo_x, hi_x, mask, W, C, False, C_BLOCK)
                 offsets = (i * W + j)[:, None] * C + cols[None, :]
                 dm_first = tl.load(dm_images[0] + offsets, mask=mask, other=0.0)
                 dm_second = tl.load(dm_images[1] + offsets, mask=mask, other=0.0)
@@ -809,5 +865,5 @@ def specializations(C, pool, square_of_pooled=False):
     if pool == 1:  # the products fused into the passes
         return [_statistics_spec(C, pool), _spans_spec(), _fused_output_spec(C),
                 _fused_gradients_spec(C), _fused_input_gradient_spec(C)]
-    return [_statistics_spec(C, pool), _output_spec(C, pool), _gradients_spec(C, pool),
-            _input_gradient_spec(C, pool, not square_of_pooled)]
+    return [_statistics_spec(C, pool), _spans_spec(), _cell_output_spec(C, not square_of_pooled),
+            _gradients_spec(C, pool), _input_gradient_spec(C, pool, not square_of_pooled)]
