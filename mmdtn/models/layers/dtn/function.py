@@ -64,7 +64,9 @@ class TokenStatistics:
 class Saved:
     """What the backward pass keeps besides the inputs: the per-token statistics and the centre;
     with pooling also the (small) moments T and products m, which without pooling are as large as
-    x and are recomputed."""
+    x and are recomputed. A backend that forms the products of the cells in its passes
+    (``fuses_cell_products``) keeps instead, as ``moments``, the cell means and the means of
+    squares about them (2, B, Hp, Wp, C), and no products."""
 
     mean_ln: Tensor
     var_ln: Tensor
@@ -87,12 +89,15 @@ class Saved:
         return cls(mean_ln, var_ln, centre, moments, products)
 
     @staticmethod
-    def fake_tensors(x, grid, dtype):
-        """Empty tensors of the shapes :meth:`tensors` has for ``grid`` (fake implementations)."""
+    def fake_tensors(x, grid, dtype, cell_moments=False):
+        """Empty tensors of the shapes :meth:`tensors` has for ``grid`` (fake implementations);
+        ``cell_moments``: those of a backend that forms the products of the cells."""
         B, N, C, heads, d, Hp, Wp = grid.B, grid.N, grid.C, grid.heads, grid.d, grid.Hp, grid.Wp
         cells = (heads, Wp, 2, B, Hp, d), (heads, 2, B, Hp, Wp, d)
         if not grid.pooled:
             cells = (0, ), (0, )
+        elif cell_moments:
+            cells = (2, B, Hp, Wp, C), (0, )
         return [x.new_empty(B, N, 1, dtype=dtype), x.new_empty(B, N, 1, dtype=dtype),
                 x.new_empty(B, 1, 1, C, dtype=dtype), x.new_empty(cells[0], dtype=dtype),
                 x.new_empty(cells[1], dtype=dtype)]
@@ -148,6 +153,10 @@ def dtn_backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, conv
 def _backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convention):
     C = grid.C
     n_var = C - 1 if convention.unbiased_ln_var else C
+    if grid.pooled and backend.fuses_cell_products(x, grid):
+        dx, grad_p_y, grad_p_x, sums = backend.fused_cell_backward(
+            g, x, saved, p_y, p_x, ratios, weight, eps, n_var, grid, convention)
+        return Gradients(dx, grad_p_y, grad_p_x, *parameter_gradients(sums))
     if backend.fuses_products(x, grid, p_x):
         dx, grad_p_y, grad_p_x, sums = backend.fused_backward(g, x, saved, p_y, p_x, ratios,
                                                               weight, eps, n_var, grid)
@@ -333,7 +342,8 @@ def define_custom_ops(backend, name):
     def _(x, p_y, p_x, ratios, weight, bias, H, W, pool, heads, eps, unbiased_ln_var,
           square_of_pooled):
         grid = TokenGrid(x.shape[0], H, W, x.shape[2], heads, pool)
-        return [torch.empty_like(x), *Saved.fake_tensors(x, grid, weight.dtype)]
+        cell_moments = grid.pooled and backend.fuses_cell_products(x, grid)
+        return [torch.empty_like(x), *Saved.fake_tensors(x, grid, weight.dtype, cell_moments)]
 
     def run_backward(grad: Tensor, x: Tensor, p_y: Tensor, p_x: Tensor, ratios: Tensor,
                      weight: Tensor, mean_ln: Tensor, var_ln: Tensor, centre: Tensor,

@@ -66,9 +66,11 @@ class Backend:
         return False
 
     def fuses_cell_products(self, x, grid):
-        """Whether, with pooling, the forward pass forms the positional products of the cells
-        inside its passes (then ``fused_cell_forward(x, p_y, p_x, ratios, weight, bias, eps, grid,
-        convention)`` returns y and the :class:`..function.Saved` of the staged backward)."""
+        """Whether, with pooling, the positional products of the cells are formed inside the
+        passes over the tokens: then ``fused_cell_forward(x, p_y, p_x, ratios, weight, bias, eps,
+        grid, convention)`` returns y and the :class:`..function.Saved` (with the cell moments),
+        and ``fused_cell_backward(g, x, saved, p_y, p_x, ratios, weight, eps, n_var, grid,
+        convention)`` the gradients of x, p_y, p_x and the sums (6, C) for the parameters."""
         return False
 
 

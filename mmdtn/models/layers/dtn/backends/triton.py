@@ -4,10 +4,9 @@ Supports CUDA tensors in float16, bfloat16 and float32 (read as they are; statis
 the output in x's dtype), any H x W, any channel count and pooling, both statistics conventions;
 ``auto`` takes it for CUDA tensors. Not float64: the kernels compute in float32, and float64 runs
 on the ``torch`` backend. Needs ``triton``, which comes with PyTorch's CUDA builds; with
-``TRITON_INTERPRET=1`` the kernels also run, slowly, on CPU tensors (for tests). With pooling
-the positional products of the cells run as batched matrix products (PyTorch) between the
-kernels; without pooling, where the cells are the tokens, they are fused into the kernels over
-the nonzero bands of P_y and P_x (see :mod:`.triton_kernels`).
+``TRITON_INTERPRET=1`` the kernels also run, slowly, on CPU tensors (for tests). The positional
+products are fused into the kernels over the nonzero bands of P_y and P_x, of the tokens or,
+with pooling, of the cells (see :mod:`.triton_kernels`).
 
 The kernels run inside the ``torch.library`` custom ops ``mmdtn::dtn_triton_forward`` and
 ``mmdtn::dtn_triton_backward``, which ``torch.compile`` and ``torch.export`` record as single
@@ -65,31 +64,11 @@ class TritonBackend(Backend):
         if not grid.pooled:  # cells: per-image channel sums of the programs
             centre = (cells.sum(1) / grid.N).view(grid.B, 1, 1, grid.C)
             return TokenStatistics(mean_ln, var_ln, centre, grid.cell_means(x), None)  # a view
-        cell_mean, cell_var, centre = cells
+        (cell_mean, cell_var), centre = cells
         cell_second = None
         if not convention.square_of_pooled:  # the mean of (x - centre)^2 over the cell
             cell_second = cell_var + (cell_mean - centre).square()
         return TokenStatistics(mean_ln, var_ln, centre, cell_mean, cell_second)
-
-    @staticmethod
-    def _cells(m, grid):
-        return [grid.from_head_major(t) for t in m.unbind(1)]
-
-    def token_gradients(self, g, x, saved, m, ratios, weight, eps, grid):
-        dm = torch.empty_like(m)
-        first, second = self._cells(m, grid)
-        sums = kernels.token_gradients(g, x, saved.mean_ln, saved.var_ln, first, second,
-                                       saved.centre, ratios.contiguous(), weight.contiguous(), eps,
-                                       dm, grid)
-        return None, sums, dm  # pass 2 recomputes the per-token terms
-
-    def input_gradient(self, tokens, g, x, saved, m, ratios, weight, eps, n_var, d_first,
-                       d_second, grid):
-        first, second = self._cells(m, grid)
-        return kernels.input_gradient(
-            g, x, saved.mean_ln, saved.var_ln, first, second, saved.centre, ratios.contiguous(),
-            weight.contiguous(), eps, n_var, grid.from_column_major(d_first),
-            None if d_second is None else grid.from_column_major(d_second), grid)
 
     def fuses_products(self, x, grid, p_x):
         return not grid.pooled
@@ -99,18 +78,24 @@ class TritonBackend(Backend):
 
     def fused_cell_forward(self, x, p_y, p_x, ratios, weight, bias, eps, grid, convention):
         n_var = grid.C - 1 if convention.unbiased_ln_var else grid.C
-        mean_ln, var_ln, (cell_mean, cell_var, centre) = kernels.statistics(x, grid, n_var)
-        y, T, m = kernels.cell_output(x, mean_ln, var_ln, cell_mean, cell_var, centre,
+        mean_ln, var_ln, (cells, centre) = kernels.statistics(x, grid, n_var)
+        y = kernels.output(x, mean_ln, var_ln, centre, p_y.detach().contiguous(),
+                           p_x.detach().contiguous(), ratios.contiguous(), weight.contiguous(),
+                           bias.contiguous(), eps, grid, cells, convention.square_of_pooled)
+        return y, Saved(mean_ln, var_ln, centre, cells)
+
+    def fused_cell_backward(self, g, x, saved, p_y, p_x, ratios, weight, eps, n_var, grid,
+                            convention):
+        return kernels.fused_backward(g, x, saved.mean_ln, saved.var_ln, saved.centre,
                                       p_y.detach().contiguous(), p_x.detach().contiguous(),
-                                      ratios.contiguous(), weight.contiguous(),
-                                      bias.contiguous(), eps, convention.square_of_pooled, grid)
-        return y, Saved(mean_ln, var_ln, centre, T, m)
+                                      ratios.contiguous(), weight.contiguous(), eps, n_var, grid,
+                                      saved.moments, convention.square_of_pooled)
 
     def fused_output(self, x, stats, p_y, p_x, ratios, weight, bias, eps, grid):
-        return kernels.fused_output(x, stats.mean_ln, stats.var_ln, stats.centre.contiguous(),
-                                    p_y.detach().contiguous(), p_x.detach().contiguous(),
-                                    ratios.contiguous(), weight.contiguous(), bias.contiguous(),
-                                    eps, grid)
+        return kernels.output(x, stats.mean_ln, stats.var_ln, stats.centre.contiguous(),
+                              p_y.detach().contiguous(), p_x.detach().contiguous(),
+                              ratios.contiguous(), weight.contiguous(), bias.contiguous(), eps,
+                              grid)
 
     def fused_backward(self, g, x, saved, p_y, p_x, ratios, weight, eps, n_var, grid):
         return kernels.fused_backward(g, x, saved.mean_ln, saved.var_ln, saved.centre.contiguous(),

@@ -4,39 +4,46 @@
 Tokens x are (B, N, C) in float16, bfloat16 or float32, read as they are; everything is computed
 and accumulated in float32, and the outputs have x's dtype. A program holds whole tokens (all C
 channels, ``C_BLOCK`` = the next power of two), so the intra-token statistics of Eq. 2 never leave
-its registers. H, W, N and the strides are runtime arguments: a new resolution launches the same
-compiled kernels. Cell tensors (the products m, their gradients) are strided (B, Hp, Wp, heads, d)
-views with a contiguous last dimension, as in the CPU kernels.
+its registers. H, W and N are runtime arguments: a new resolution launches the same compiled
+kernels. Cell tensors (the cell moments, dL/dm) are contiguous (B, Hp, Wp, C) float32 images.
 
-With pooling, forward: :func:`statistics` (Eq. 2 per token and, per cell, the mean of x and the
-sum of squares about it, in one read of x), then the positional products on the cell grid
-(PyTorch, in ``function.py``), then :func:`output` (Eqs. 4-5: one read of x, one write of y).
-Backward: :func:`token_gradients` (dL/dm of every cell and the sums over the tokens for the
-parameters, one read of x and dL/dy; the sums are written per program and added up afterwards, in
-a fixed order: no float atomics), the products backwards, then :func:`input_gradient` (one read of
-x and dL/dy, one write of dx), which recomputes the per-token terms instead of storing them.
+The positional products (Eq. 5, m = P_y (P_x T) by the two factors of P^h) are formed on chip
+inside the passes over the tokens, over the nonzero bands of P_y and P_x: a row of P has about
+11 nonzero weights in float32 at the paper's initialisation (positional.truncated_softmax), and
+:func:`spans` finds every row's and column's nonzero span on the device (no host
+synchronisation; a wider P costs time, not correctness). By the traffic model (bytes of the
+operands of every launch), doing them as separate passes, even in Triton, would write and read
+the moments T, u = P_x T and m = P_y u, two float32 values per cell and channel each: 16 C bytes
+per token without pooling, against 3 C e for the whole fused forward (C channels of e bytes: 6 C
+in float16), and 16 C / pool^2 with pooling, more than the rest of the forward at pool 2.
 
-Without pooling the cells are the tokens, and the products are fused into the passes over the
-tokens. By the traffic model (bytes of the operands of every launch, per token, for C channels
-of e bytes), doing them as separate passes, even in Triton, would write and read the moments
-T, u = P_x T and m = P_y u, two float32 values per token and channel each (8 C bytes, 16 C
-written and read back, against 3 C e for the whole fused forward: 6 C in float16), so
-the products are formed on chip instead: a row of P has about 11 nonzero weights in float32 at
-the paper's initialisation (positional.truncated_softmax), and :func:`spans` finds every row's
-and column's nonzero span on the device (no host synchronisation; a wider P costs time, not
-correctness). :func:`fused_output` reads each token's band of neighbours, cached, and forms
-u = P_x T for the rows of the band and m = P_y u in registers (x read twice forward: statistics
-and output, as with pooling). Backward, :func:`fused_backward` passes one tensor between two
-passes, dL/dm (two float32 values per token and channel), since dL/dT of a token needs dL/dm of
-its whole band: pass 1 (a program per token row) forms m again, writes dL/dm and the sums, then
-reads its row's dL/dm back from cache for its share of the gradient of P_y (sum of dL/dm u over
-the band's rows of u); pass 2 (a program per column tile, walking the rows) forms
-dL/du = P_y^T dL/dm and dL/dT = P_x^T dL/du over the bands, and dx, and adds up its columns of
-the gradient of P_x in place (the program owns them: deterministic, no atomics). The gradients
+The cells are the tokens without pooling (T = (x - centre, (x - centre)^2) read from x itself)
+and pool x pool blocks of tokens with pooling (T from the cell moments that :func:`statistics`
+writes once, float32: the cell mean and the mean of squares about it; the second moment about
+the centre is that plus the squared mean about the centre, or, in the reference code's
+convention, the square of the pooled mean alone). Forward: :func:`statistics` (Eq. 2 per token
+and the cell moments in one read of x), then :func:`output`, which reads each token's band of
+cells, cached, and forms u = P_x T for the rows of the band and m = P_y u in registers before x
+is read again for y (Eqs. 4-5): x read twice and y written once, plus, with pooling, the cell
+moments written once and read once.
+
+Backward, :func:`fused_backward` passes one tensor between two passes, dL/dm (two float32 values
+per cell and channel), since dL/dT of a cell needs dL/dm of its whole band. Pass 1 (a program per
+token row, or with pooling per CELLS cells of a cell row, walking their tokens) forms m again,
+writes dL/dm (with pooling the sum over the cell's tokens) and the sums for the parameters
+(written per program and added up afterwards in a fixed order: no float atomics), then reads its
+dL/dm back from cache for its share of the gradient of P_y (sum of dL/dm u over the band's rows of
+u). Pass 2 (a program per column tile of tokens, walking the token rows) forms
+dL/du = P_y^T dL/dm and dL/dT = P_x^T dL/du over the bands, and dx (the per-token terms formed
+again instead of stored), and adds up its cells' columns of the gradient of P_x in place (the
+program holding a cell's first token column owns them: deterministic, no atomics). The gradients
 of P are exact on the bands and zero elsewhere, where P is an exact zero and the softmax passes
-no gradient; they are written per image and added over the images afterwards. Backward thus
-moves about 5 C e + 16 C bytes per token: dL/dm, which only a recomputation of m over the band of
-every neighbour (the band squared) would avoid, is most of it.
+no gradient; they are written per image (and program) and added up afterwards. Without pooling
+backward moves about 5 C e + 16 C bytes per token: dL/dm, which only a recomputation of m over the
+band of every neighbour (the band squared) would avoid, is most of it; with pooling dL/dm and
+the cell moments are pool^2 times smaller, and what both passes read beyond the bound of a design
+fused as far as the math allows (tools/analysis/benchmark_norm.py) is the cell moments, once
+more, and the per-program sums.
 
 Every launch is recorded with the bytes of its operands (:func:`.base.record_launch`); with meta
 tensors the launches are only recorded, which gives the traffic of any shape without a GPU.
@@ -47,9 +54,8 @@ import triton.language as tl
 
 from .base import record_launch
 
-__all__ = ['statistics', 'cell_output', 'token_gradients', 'input_gradient', 'specializations',
-           'TOKEN_POINTERS', 'INDEX_POINTERS', 'spans', 'fused_output',
-           'fused_backward']
+__all__ = ['statistics', 'output', 'fused_backward', 'specializations', 'TOKEN_POINTERS',
+           'INDEX_POINTERS', 'spans']
 
 #: Elements of a token tile (TILE tokens x C_BLOCK channels) per thread of a program: a pass holds
 #: several such tiles (x, dL/dy, the cell statistics, ...) in registers.
@@ -117,19 +123,6 @@ def _image(ptr, b, size):
 
 
 @triton.jit
-def _row_tile(ptr, H, W, C, TILE: tl.constexpr, C_BLOCK: tl.constexpr):
-    """The tile of program (row = b * H + i, block) of a pass over token rows: b, i, the columns
-    j, their validity, the tokens within the image, and the tokens of ``ptr`` as float32."""
-    row, block = tl.program_id(0), tl.program_id(1)
-    b, i = row // H, row % H
-    j = block * TILE + tl.arange(0, TILE)
-    valid = j < W
-    tokens = i * W + j
-    x, mask = _load_tokens(_image(ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
-    return b, i, j, valid, tokens, x, mask
-
-
-@triton.jit
 def _cell_row(ci, cj, r, pool, H, W, S_BLOCK: tl.constexpr):
     """The tokens (within the image) of token row r of cell (ci, cj), and which are real."""
     j = cj * pool + tl.arange(0, S_BLOCK)
@@ -144,22 +137,6 @@ def _ln_statistics(x, mask, C, n_var):
     mean = tl.sum(x, axis=1) / C
     diff = tl.where(mask, x - mean[:, None], 0.0)
     return mean, tl.sum(diff * diff, axis=1) / n_var
-
-
-@triton.jit
-def _cell_offsets(ci, cj, cols, d, si, sj, sh):
-    """Offsets [TILE, C_BLOCK] of channel ``cols`` of cells (ci, cj) in one image of a strided
-    (B, Hp, Wp, heads, d) view (see :func:`_image`)."""
-    head, k = cols // d, cols % d
-    return ci * si + cj[:, None] * sj + (head * sh + k)[None, :]
-
-
-@triton.jit
-def _inter_token(first_ptr, second_ptr, offsets, mask):
-    """With pooling, P^h T_0 and the inter-token variance of the cells at ``offsets``."""
-    first = tl.load(first_ptr + offsets, mask=mask, other=0.0)
-    second = tl.load(second_ptr + offsets, mask=mask, other=0.0)
-    return first, second
 
 
 @triton.jit
@@ -249,7 +226,7 @@ def _cell_statistics_kernel(x_ptr, mean_ptr, var_ptr, cell_mean_ptr, cell_var_pt
 def statistics(x, grid, n_var):
     """Eq. 2 per token, float32 (B, N, 1) each, and the cell moments of x: without pooling the
     per-image channel sums (B, P, C) of P programs; with pooling the cell means and the means of
-    squares about them, (B, Hp, Wp, C) each, and the centre (B, 1, 1, C), the mean of the cell
+    squares about them, (2, B, Hp, Wp, C), and the centre (B, 1, 1, C), the mean of the cell
     means."""
     B, N, C = x.shape
     f32 = dict(dtype=torch.float32, device=x.device)
@@ -261,15 +238,14 @@ def statistics(x, grid, n_var):
         _launch('triton.token_statistics', spec, (B, programs), [x], [mean_ln, var_ln, partial],
                 x, mean_ln, var_ln, partial, N, C, float(n_var))
         return mean_ln, var_ln, partial
-    cell_mean = torch.empty(B, grid.Hp, grid.Wp, C, **f32)
-    cell_var = torch.empty_like(cell_mean)
+    cells = torch.empty(2, B, grid.Hp, grid.Wp, C, **f32)
     programs = (B * grid.Hp, triton.cdiv(grid.Wp, CELLS_PER_PROGRAM))
     partial = torch.empty(B, grid.Hp * programs[1], C, **f32)
-    _launch('triton.cell_statistics', spec, programs, [x],
-            [mean_ln, var_ln, cell_mean, cell_var, partial], x, mean_ln, var_ln, cell_mean,
-            cell_var, partial, grid.H, grid.W, C, grid.pool, float(n_var))
+    _launch('triton.cell_statistics', spec, programs, [x], [mean_ln, var_ln, cells, partial], x,
+            mean_ln, var_ln, cells[0], cells[1], partial, grid.H, grid.W, C, grid.pool,
+            float(n_var))
     centre = (partial.sum(1) / (grid.Hp * grid.Wp)).view(B, 1, 1, C)
-    return mean_ln, var_ln, (cell_mean, cell_var, centre)
+    return mean_ln, var_ln, (cells, centre)
 
 
 def _cells_spec(cell_kernel, C, pool):
@@ -402,55 +378,13 @@ def _banded_moments(mean_image, spread_image, centre, p_y_ptr, p_x_ptr, span_y_p
 
 
 @triton.jit(do_not_specialize=['H', 'W', 'C'])
-def _fused_output_kernel(x_ptr, mean_ptr, var_ptr, centre_ptr, p_y_ptr, p_x_ptr, span_y_ptr,
-                         span_x_ptr, ratios_ptr, weight_ptr, bias_ptr, y_ptr, H, W, C, d, eps,
-                         TILE: tl.constexpr, C_BLOCK: tl.constexpr):
-    """Without pooling: Eqs. 4 and 5 for TILE tokens of token row i of image b, the positional
-    products of their moments formed on chip (:func:`_banded_moments`) before x is loaded."""
-    row, block = tl.program_id(0), tl.program_id(1)
-    b, i = row // H, row % H
-    j = block * TILE + tl.arange(0, TILE)
-    valid = j < W
-    tokens = i * W + j
-    cols = tl.arange(0, C_BLOCK)
-    mask = valid[:, None] & (cols < C)[None, :]
-    centre = tl.load(centre_ptr + b * C + cols, mask=cols < C, other=0.0)
-    x_image = _image(x_ptr, b, H * W * C)
-    first, second = _banded_moments(x_image, x_image, centre, p_y_ptr, p_x_ptr, span_y_ptr,
-                                    span_x_ptr, i, j, valid, mask, H, W, C, d, False, C_BLOCK)
-    x, _ = _load_tokens(x_image, tokens, valid, C, C_BLOCK)
-    var_it = tl.maximum(second - first * first, 0.0)
-    _store_output(y_ptr, mean_ptr, var_ptr, ratios_ptr, weight_ptr, bias_ptr, b, H * W, C,
-                  tokens, valid, x, mask, first, var_it, centre[None, :], eps, C_BLOCK)
-
-
-def fused_output(x, mean_ln, var_ln, centre, p_y, p_x, ratios, weight, bias, eps, grid):
-    """Without pooling: y (x's shape and dtype) from x, Eq. 2 and the factors p_y (heads, H, H),
-    p_x (heads, W, W), the products formed on chip over their nonzero bands."""
-    B, N, C = x.shape
-    span_y, span_x = spans(p_y), spans(p_x)
-    y = x.new_empty(x.shape)
-    _launch('triton.fused_output', _fused_output_spec(C),
-            (B * grid.H, triton.cdiv(grid.W, _tile(C))),
-            [x, mean_ln, var_ln, centre, p_y, p_x, span_y, span_x, ratios, weight, bias], [y],
-            x, mean_ln, var_ln, centre, p_y, p_x, span_y, span_x, ratios, weight, bias, y,
-            grid.H, grid.W, C, grid.d, float(eps))
-    return y
-
-
-def _fused_output_spec(C):
-    return _fused_output_kernel, dict(TILE=_tile(C), C_BLOCK=_c_block(C)), _warps(C)
-
-
-@triton.jit(do_not_specialize=['H', 'W', 'C'])
-def _cell_output_kernel(x_ptr, mean_ptr, var_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr,
-                        p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, ratios_ptr, weight_ptr, bias_ptr,
-                        y_ptr, t_first_ptr, t_second_ptr, m_first_ptr, m_second_ptr, H, W, C,
-                        pool, d, tb, ti, tj, th, sb, si, sj, sh, eps, SPREAD: tl.constexpr,
-                        TILE: tl.constexpr, C_BLOCK: tl.constexpr):
-    """With pooling: Eqs. 4 and 5 for TILE tokens of token row i of image b, the positional
-    products of their cells formed on chip from the band of cell moments; the first token of
-    every cell also writes the cell's T and m (strided cell views), which the backward reads."""
+def _output_kernel(x_ptr, mean_ptr, var_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr, p_y_ptr,
+                   p_x_ptr, span_y_ptr, span_x_ptr, ratios_ptr, weight_ptr, bias_ptr, y_ptr, H, W,
+                   C, pool, d, eps, POOLED: tl.constexpr, SPREAD: tl.constexpr,
+                   TILE: tl.constexpr, C_BLOCK: tl.constexpr):
+    """Eqs. 4 and 5 for TILE tokens of token row i of image b, the positional products of their
+    cells (the tokens themselves without pooling) formed on chip from the band of cell moments
+    (:func:`_banded_moments`) before x is loaded."""
     row, block = tl.program_id(0), tl.program_id(1)
     b, i = row // H, row % H
     Hp, Wp = (H + pool - 1) // pool, (W + pool - 1) // pool
@@ -460,52 +394,44 @@ def _cell_output_kernel(x_ptr, mean_ptr, var_ptr, cell_mean_ptr, cell_var_ptr, c
     cols = tl.arange(0, C_BLOCK)
     mask = valid[:, None] & (cols < C)[None, :]
     centre = tl.load(centre_ptr + b * C + cols, mask=cols < C, other=0.0)
-    ci, cj = i // pool, j // pool
-    cells = _image(cell_mean_ptr, b, Hp * Wp * C), _image(cell_var_ptr, b, Hp * Wp * C)
-    first, second = _banded_moments(cells[0], cells[1], centre, p_y_ptr, p_x_ptr, span_y_ptr,
-                                    span_x_ptr, ci, cj, valid, mask, Hp, Wp, C, d, SPREAD, C_BLOCK)
+    x_image = _image(x_ptr, b, H * W * C)
+    if POOLED:
+        mean_image = _image(cell_mean_ptr, b, Hp * Wp * C)
+        spread_image = _image(cell_var_ptr, b, Hp * Wp * C)
+    else:  # the tokens are the cells
+        mean_image = x_image
+        spread_image = x_image
+    first, second = _banded_moments(mean_image, spread_image, centre, p_y_ptr, p_x_ptr,
+                                    span_y_ptr, span_x_ptr, i // pool, j // pool, valid, mask, Hp,
+                                    Wp, C, d, SPREAD, C_BLOCK)
+    x, _ = _load_tokens(x_image, tokens, valid, C, C_BLOCK)
     var_it = tl.maximum(second - first * first, 0.0)
-    corner = mask & ((j % pool == 0) & (i % pool == 0))[:, None]
-    t_first, t_second = _moments(cells[0], cells[1], centre,
-                                 (ci * Wp + cj)[:, None] * C + cols[None, :], corner, SPREAD)
-    kept = _cell_offsets(ci, cj, cols, d, ti, tj, th)
-    tl.store(_image(t_first_ptr, b, tb) + kept, t_first, mask=corner)
-    tl.store(_image(t_second_ptr, b, tb) + kept, t_second, mask=corner)
-    kept = _cell_offsets(ci, cj, cols, d, si, sj, sh)
-    tl.store(_image(m_first_ptr, b, sb) + kept, first, mask=corner)
-    tl.store(_image(m_second_ptr, b, sb) + kept, var_it, mask=corner)
-    x, _ = _load_tokens(_image(x_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
     _store_output(y_ptr, mean_ptr, var_ptr, ratios_ptr, weight_ptr, bias_ptr, b, H * W, C,
                   tokens, valid, x, mask, first, var_it, centre[None, :], eps, C_BLOCK)
 
 
-def cell_output(x, mean_ln, var_ln, cell_mean, cell_var, centre, p_y, p_x, ratios, weight, bias,
-                eps, square_of_pooled, grid):
-    """With pooling: y (x's shape and dtype) from x, Eq. 2 and the cell moments of
-    :func:`statistics`, the products formed on chip over the nonzero bands of p_y (heads, Hp, Hp)
-    and p_x (heads, Wp, Wp); and, float32, the moments T (column-major, (heads, Wp, 2, B, Hp, d))
-    and the products m (head-major, (heads, 2, B, Hp, Wp, d)) of the cells, as the staged
-    backward of ``function.py`` takes them."""
+def output(x, mean_ln, var_ln, centre, p_y, p_x, ratios, weight, bias, eps, grid, cells=None,
+           square_of_pooled=False):
+    """y (x's shape and dtype) from x, Eq. 2 and the factors p_y (heads, Hp, Hp), p_x (heads, Wp,
+    Wp), the products formed on chip over their nonzero bands; with pooling from the cell
+    moments ``cells`` of :func:`statistics`."""
     B, N, C = x.shape
-    heads, Hp, Wp, d = grid.heads, grid.Hp, grid.Wp, grid.d
     span_y, span_x = spans(p_y), spans(p_x)
     y = x.new_empty(x.shape)
-    T = torch.empty(heads, Wp, 2, B, Hp, d, dtype=torch.float32, device=x.device)
-    m = torch.empty(heads, 2, B, Hp, Wp, d, dtype=torch.float32, device=x.device)
-    t_views = [grid.from_column_major(T[:, :, k]) for k in range(2)]
-    m_views = [grid.from_head_major(m[:, k]) for k in range(2)]
-    reads = [x, mean_ln, var_ln, cell_mean, cell_var, centre, p_y, p_x, span_y, span_x, ratios,
-             weight, bias]
-    _launch('triton.cell_output', _cell_output_spec(C, not square_of_pooled),
-            (B * grid.H, triton.cdiv(grid.W, _tile(C))), reads, [y, T, m], *reads, y, *t_views,
-            *m_views, grid.H, grid.W, C, grid.pool, d, *t_views[0].stride()[:4],
-            *m_views[0].stride()[:4], float(eps))
-    return y, T, m
+    cell_args = [] if cells is None else [cells[0], cells[1]]
+    reads = [x, mean_ln, var_ln, *cell_args, centre, p_y, p_x, span_y, span_x, ratios, weight,
+             bias]
+    cell_pointers = cell_args or [mean_ln, mean_ln]  # without pooling: not read
+    _launch('triton.output', _output_spec(C, grid.pooled, not square_of_pooled),
+            (B * grid.H, triton.cdiv(grid.W, _tile(C))), reads, [y], x, mean_ln, var_ln,
+            *cell_pointers, centre, p_y, p_x, span_y, span_x, ratios, weight, bias, y, grid.H,
+            grid.W, C, grid.pool, grid.d, float(eps))
+    return y
 
 
-def _cell_output_spec(C, spread):
-    return (_cell_output_kernel, dict(SPREAD=spread, TILE=_tile(C), C_BLOCK=_c_block(C)),
-            _warps(C))
+def _output_spec(C, pooled, spread):
+    return (_output_kernel, dict(POOLED=pooled, SPREAD=pooled and spread, TILE=_tile(C),
+                                 C_BLOCK=_c_block(C)), _warps(C))
 
 
 # ---------------------------------------------------------------------------- backward pass 1
@@ -542,139 +468,6 @@ def _store_sums(partial_ptr, program, C, xg, g, mu_d1, var_d2, mit_d1, vit_d2,
     tl.store(out + 5 * C, vit_d2, mask=m)
 
 
-@triton.jit(do_not_specialize=['H', 'W', 'C'])
-def _cell_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, first_ptr, second_ptr, centre_ptr,
-                           ratios_ptr, weight_ptr, dm_first_ptr, dm_second_ptr, partial_ptr, H, W,
-                           C, pool, d, sb, si, sj, sh, eps, CELLS: tl.constexpr,
-                           S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
-    """With pooling: dL/dm of CELLS cells of cell row ci of image b from the sums of D1 and D2
-    over their tokens, and the sums for the parameters."""
-    row, block = tl.program_id(0), tl.program_id(1)
-    Hp, Wp = (H + pool - 1) // pool, (W + pool - 1) // pool
-    b, ci = row // Hp, row % Hp
-    cols = tl.arange(0, C_BLOCK)
-    cmask = cols < C
-    centre = tl.load(centre_ptr + b * C + cols, mask=cmask, other=0.0)
-    lam_m, kap_m, lam_v, kap_v, weight = _channel_rows(ratios_ptr, weight_ptr, C, C_BLOCK)
-    s_xg, s_g, s_mu, s_var, s_mit, s_vit = _zero_sums(C_BLOCK)
-    for c in range(CELLS):
-        cj = block * CELLS + c
-        if cj < Wp:
-            # the cell's statistics as one row [1, C_BLOCK], broadcast over its tokens
-            cell = _cell_offsets(ci, cj + tl.zeros([1], tl.int32), cols, d, si, sj, sh)
-            first, var_it = _inter_token(_image(first_ptr, b, sb), _image(second_ptr, b, sb), cell,
-                                         cmask[None, :])
-            cell_d1 = tl.zeros([C_BLOCK], tl.float32)
-            cell_d2 = tl.zeros([C_BLOCK], tl.float32)
-            for r in range(0, pool):
-                tokens, valid = _cell_row(ci, cj, r, pool, H, W, S_BLOCK)
-                x, mask = _load_tokens(_image(x_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
-                g, _ = _load_tokens(_image(g_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
-                mean_ln = tl.load(_image(mean_ptr, b, H * W) + tokens, mask=valid, other=0.0)
-                var_ln = tl.load(_image(var_ptr, b, H * W) + tokens, mask=valid, other=0.0)
-                d1, d2, xg = _token_terms(x, g, mean_ln, var_ln, first, var_it, centre[None, :],
-                                          lam_m, kap_m, lam_v, kap_v, weight, eps)
-                d1, d2 = tl.where(mask, d1, 0.0), tl.where(mask, d2, 0.0)
-                cell_d1 += tl.sum(d1, axis=0)
-                cell_d2 += tl.sum(d2, axis=0)
-                s_xg += tl.sum(tl.where(mask, xg, 0.0), axis=0)
-                s_g += tl.sum(g, axis=0)
-                s_mu += tl.sum(mean_ln[:, None] * d1, axis=0)
-                s_var += tl.sum(var_ln[:, None] * d2, axis=0)
-            first = tl.reshape(first, [C_BLOCK])
-            var_it = tl.reshape(var_it, [C_BLOCK])
-            s_mit += (first + centre) * cell_d1
-            s_vit += var_it * cell_d2
-            # dL/dm_second = dL/dvar_it [var_it > 0], dL/dm_first = dL/dmu_it - 2 m_first dm_second
-            dm_second = tl.where(var_it > 0, -0.5 * tl.reshape(kap_v, [C_BLOCK]) * cell_d2, 0.0)
-            dm_first = -tl.reshape(kap_m, [C_BLOCK]) * cell_d1 - 2.0 * first * dm_second
-            cell = tl.reshape(cell, [C_BLOCK])
-            tl.store(_image(dm_first_ptr, b, sb) + cell, dm_first, mask=cmask)
-            tl.store(_image(dm_second_ptr, b, sb) + cell, dm_second, mask=cmask)
-    _store_sums(partial_ptr, row * tl.num_programs(1) + block, C, s_xg, s_g, s_mu, s_var, s_mit,
-                s_vit, C_BLOCK)
-
-
-def token_gradients(g, x, mean_ln, var_ln, first, second, centre, ratios, weight, eps, dm, grid):
-    """With pooling: dL/dm into the head-major ``dm`` (its two slots, as cell views) and the sums
-    (6, C)."""
-    B, N, C = x.shape
-    dm_first, dm_second = (grid.from_head_major(t) for t in dm.unbind(1))
-    assert dm_first.stride() == first.stride(), 'dL/dm in the layout of m'
-    programs = (B * grid.Hp, triton.cdiv(grid.Wp, CELLS_PER_PROGRAM))
-    partial = x.new_empty(programs[0] * programs[1], 6, C, dtype=first.dtype)
-    _launch('triton.cell_gradients', _gradients_spec(C, grid.pool), programs,
-            [g, x, mean_ln, var_ln, first, second, centre, ratios, weight], [dm, partial], g, x,
-            mean_ln, var_ln, first, second, centre, ratios, weight, dm_first, dm_second, partial,
-            grid.H, grid.W, C, grid.pool, grid.d, *first.stride()[:4], float(eps))
-    return partial.sum(0)
-
-
-def _gradients_spec(C, pool):
-    return _cells_spec(_cell_gradients_kernel, C, pool)
-
-
-# ---------------------------------------------------------------------------- backward pass 2
-@triton.jit(do_not_specialize=['H', 'W', 'C'])
-def _input_gradient_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, first_ptr, second_ptr, centre_ptr,
-                           ratios_ptr, weight_ptr, d_first_ptr, d_second_ptr, dx_ptr, H, W, C,
-                           pool, d, sb, si, sj, sh, tb, ti, tj, th, eps, n_var,
-                           SECOND: tl.constexpr, TILE: tl.constexpr, C_BLOCK: tl.constexpr):
-    """With pooling: dx for TILE tokens of token row i of image b: D1 + x beta + alpha (the
-    gradient of Eq. 2) + (dL/dT_0 + 2 (x - centre) dL/dT_1) / n, with D1 and the per-token sums
-    recomputed."""
-    b, i, j, valid, tokens, x, mask = _row_tile(x_ptr, H, W, C, TILE, C_BLOCK)
-    g, _ = _load_tokens(_image(g_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
-    cols = tl.arange(0, C_BLOCK)
-    ci, cj = i // pool, j // pool
-    first, var_it = _inter_token(_image(first_ptr, b, sb), _image(second_ptr, b, sb),
-                                 _cell_offsets(ci, cj, cols, d, si, sj, sh), mask)
-    centre = tl.load(centre_ptr + b * C + cols, mask=cols < C, other=0.0)[None, :]
-    lam_m, kap_m, lam_v, kap_v, weight = _channel_rows(ratios_ptr, weight_ptr, C, C_BLOCK)
-    mean_ln = tl.load(_image(mean_ptr, b, H * W) + tokens, mask=valid, other=0.0)
-    var_ln = tl.load(_image(var_ptr, b, H * W) + tokens, mask=valid, other=0.0)
-    d1, d2, _ = _token_terms(x, g, mean_ln, var_ln, first, var_it, centre, lam_m, kap_m, lam_v,
-                             kap_v, weight, eps)
-    d1, d2 = tl.where(mask, d1, 0.0), tl.where(mask, d2, 0.0)
-    # Eq. 2 backwards: dL/dvar_ln = -sum(D2 lam_v) / 2, dL/dmu_ln = -sum(D1 lam_m)
-    beta = -tl.sum(d2 * lam_v, axis=1) / n_var
-    alpha = -tl.sum(d1 * lam_m, axis=1) / C - beta * mean_ln
-    rows = tl.minimum(H - ci * pool, pool)
-    columns = tl.minimum(W - cj * pool, pool)
-    inv_n = 1.0 / tl.maximum(rows * columns, 1).to(tl.float32)  # masked tokens: any n
-    cell = _cell_offsets(ci, cj, cols, d, ti, tj, th)
-    dT = tl.load(_image(d_first_ptr, b, tb) + cell, mask=mask, other=0.0)
-    if SECOND:
-        dT += 2.0 * (x - centre) * tl.load(_image(d_second_ptr, b, tb) + cell, mask=mask,
-                                           other=0.0)
-    dx = d1 + x * beta[:, None] + alpha[:, None] + dT * inv_n[:, None]
-    tl.store(_image(dx_ptr, b, H * W * C) + tokens[:, None] * C + cols[None, :],
-             dx.to(dx_ptr.dtype.element_ty), mask=mask)
-
-
-def input_gradient(g, x, mean_ln, var_ln, first, second, centre, ratios, weight, eps, n_var,
-                   d_first, d_second, grid):
-    """dx (x's shape and dtype); d_first and d_second are cell views of dL/dT (d_second may be
-    None)."""
-    B, N, C = x.shape
-    dx = x.new_empty(x.shape)
-    second_view = d_first if d_second is None else d_second
-    assert second_view.stride() == d_first.stride()
-    _launch('triton.input_gradient', _input_gradient_spec(C, grid.pool, d_second is not None),
-            (B * grid.H, triton.cdiv(grid.W, _tile(C))),
-            [g, x, mean_ln, var_ln, first, second, centre, ratios, weight, d_first, d_second],
-            [dx], g, x, mean_ln, var_ln, first, second, centre, ratios, weight, d_first,
-            second_view, dx, grid.H, grid.W, C, grid.pool, grid.d, *first.stride()[:4],
-            *d_first.stride()[:4], float(eps), float(n_var))
-    return dx
-
-
-def _input_gradient_spec(C, pool, second):
-    return (_input_gradient_kernel, dict(SECOND=second, TILE=_tile(C), C_BLOCK=_c_block(C)),
-            _warps(C))
-
-
-# ---------------------------------------------------------------------------- fused backward
 @triton.jit
 def _image_constants(centre_ptr, ratios_ptr, weight_ptr, b, C, C_BLOCK: tl.constexpr):
     """Image b's centre [C_BLOCK] and the channel rows of :func:`_channel_rows`."""
@@ -685,19 +478,137 @@ def _image_constants(centre_ptr, ratios_ptr, weight_ptr, b, C, C_BLOCK: tl.const
 
 
 @triton.jit
-def _fused_token_terms(x_ptr, g_ptr, mean_ptr, var_ptr, centre, p_y_ptr, p_x_ptr, span_y_ptr,
-                       span_x_ptr, lam_m, kap_m, lam_v, kap_v, weight, b, i, j, valid, H, W, C,
-                       d, eps, C_BLOCK: tl.constexpr):
-    """Without pooling, the tokens (i, j) of image b: x and its mask, dL/dy, Eq. 2, P^h T_0 and
-    the inter-token variance (m formed on chip), D1 and D2 (zero outside the mask) and xhat g."""
+def _cell_gradient(first, var_it, d1, d2, kap_m, kap_v):
+    """dL/dm of cells from the sums D1, D2 over their tokens: dL/dm_second = dL/dvar_it
+    [var_it > 0], dL/dm_first = dL/dmu_it - 2 m_first dL/dm_second."""
+    dm_second = tl.where(var_it > 0, -0.5 * kap_v * d2, 0.0)
+    return -kap_m * d1 - 2.0 * first * dm_second, dm_second
+
+
+@triton.jit
+def _rows_gradient(grad_ptr, dm_first_image, dm_second_image, mean_image, spread_image, centre,
+                   p_x_ptr, span_y_ptr, span_x_ptr, i, j_start, j_stop, H, W, C, d, heads,
+                   SPREAD: tl.constexpr, TILE: tl.constexpr, C_BLOCK: tl.constexpr):
+    """The share of columns [j_start, j_stop) of row i (of tokens, or of cells) in the gradient
+    of P_y (heads, H, H) at ``grad_ptr`` + h H^2 + i2 for every i2: sum over them and each
+    head's channels of dL/dm u for the rows i2 of u = P_x T in the band of P_y's row i (u formed
+    again on chip, dL/dm read back from cache); zero outside the band."""
+    cols = tl.arange(0, C_BLOCK)
+    cmask = cols < C
+    head = cols // d
+    lo_y, hi_y = _axis_span(span_y_ptr, i + tl.zeros([1], tl.int32), i >= 0, H)
+    for i2 in range(0, H):
+        total = tl.zeros([C_BLOCK], tl.float32)
+        if (i2 >= lo_y) & (i2 < hi_y):  # elsewhere P_y is zero: a zero gradient
+            for start in range(j_start, j_stop, TILE):
+                j = start + tl.arange(0, TILE)
+                valid = j < j_stop
+                mask = valid[:, None] & cmask[None, :]
+                lo_x, hi_x = _axis_span(span_x_ptr, j, valid, W)
+                p_x_rows = head[None, :] * W * W + j[:, None] * W
+                u_first, u_second = _row_products(mean_image, spread_image, centre, p_x_ptr,
+                                                  p_x_rows, i2, lo_x, hi_x, mask, W, C, SPREAD,
+                                                  C_BLOCK)
+                offsets = (i * W + j)[:, None] * C + cols[None, :]
+                dm_first = tl.load(dm_first_image + offsets, mask=mask, other=0.0)
+                dm_second = tl.load(dm_second_image + offsets, mask=mask, other=0.0)
+                total += tl.sum(dm_first * u_first + dm_second * u_second, axis=0)
+        for h in range(heads):
+            tl.store(grad_ptr + h * H * H + i2, tl.sum(tl.where(head == h, total, 0.0), axis=0))
+
+
+@triton.jit(do_not_specialize=['H', 'W', 'C'])
+def _cell_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, cell_mean_ptr, cell_var_ptr,
+                           centre_ptr, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, ratios_ptr,
+                           weight_ptr, dm_first_ptr, dm_second_ptr, grad_p_y_ptr, partial_ptr, H,
+                           W, C, pool, d, heads, eps, SPREAD: tl.constexpr, CELLS: tl.constexpr,
+                           S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
+    """With pooling, backward pass 1 for CELLS cells of cell row ci of image b: with m of every
+    cell formed on chip from the band of cell moments, dL/dm of the cells (written) from the sums
+    of D1 and D2 over their tokens, and the sums for the parameters; then the cells' share of
+    the gradient of P_y (:func:`_rows_gradient`)."""
+    row, block = tl.program_id(0), tl.program_id(1)
+    Hp, Wp = (H + pool - 1) // pool, (W + pool - 1) // pool
+    b, ci = row // Hp, row % Hp
+    cols = tl.arange(0, C_BLOCK)
+    cmask = cols < C
+    centre, lam_m, kap_m, lam_v, kap_v, weight = _image_constants(centre_ptr, ratios_ptr,
+                                                                  weight_ptr, b, C, C_BLOCK)
+    cells = _image(cell_mean_ptr, b, Hp * Wp * C), _image(cell_var_ptr, b, Hp * Wp * C)
+    dm_images = _image(dm_first_ptr, b, Hp * Wp * C), _image(dm_second_ptr, b, Hp * Wp * C)
+    s_xg, s_g, s_mu, s_var, s_mit, s_vit = _zero_sums(C_BLOCK)
+    cjs = block * CELLS + tl.arange(0, CELLS)
+    firsts, seconds = _banded_moments(cells[0], cells[1], centre, p_y_ptr, p_x_ptr, span_y_ptr,
+                                      span_x_ptr, ci, cjs, cjs < Wp,
+                                      (cjs < Wp)[:, None] & cmask[None, :], Hp, Wp, C, d, SPREAD,
+                                      C_BLOCK)
+    var_its = tl.maximum(seconds - firsts * firsts, 0.0)
+    for c in range(CELLS):
+        cj = block * CELLS + c
+        if cj < Wp:
+            # the cell's m as one row [1, C_BLOCK], broadcast over its tokens
+            pick = (tl.arange(0, CELLS) == c)[:, None]
+            first = tl.sum(tl.where(pick, firsts, 0.0), axis=0)
+            var_it = tl.sum(tl.where(pick, var_its, 0.0), axis=0)
+            cell_d1 = tl.zeros([C_BLOCK], tl.float32)
+            cell_d2 = tl.zeros([C_BLOCK], tl.float32)
+            for r in range(0, pool):
+                tokens, valid = _cell_row(ci, cj, r, pool, H, W, S_BLOCK)
+                x, mask = _load_tokens(_image(x_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
+                g, _ = _load_tokens(_image(g_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
+                mean_ln = tl.load(_image(mean_ptr, b, H * W) + tokens, mask=valid, other=0.0)
+                var_ln = tl.load(_image(var_ptr, b, H * W) + tokens, mask=valid, other=0.0)
+                d1, d2, xg = _token_terms(x, g, mean_ln, var_ln, first[None, :],
+                                          var_it[None, :], centre[None, :], lam_m, kap_m, lam_v,
+                                          kap_v, weight, eps)
+                d1, d2 = tl.where(mask, d1, 0.0), tl.where(mask, d2, 0.0)
+                cell_d1 += tl.sum(d1, axis=0)
+                cell_d2 += tl.sum(d2, axis=0)
+                s_xg += tl.sum(tl.where(mask, xg, 0.0), axis=0)
+                s_g += tl.sum(g, axis=0)
+                s_mu += tl.sum(mean_ln[:, None] * d1, axis=0)
+                s_var += tl.sum(var_ln[:, None] * d2, axis=0)
+            s_mit += (first + centre) * cell_d1
+            s_vit += var_it * cell_d2
+            dm_first, dm_second = _cell_gradient(first, var_it, cell_d1, cell_d2,
+                                                 tl.reshape(kap_m, [C_BLOCK]),
+                                                 tl.reshape(kap_v, [C_BLOCK]))
+            out = (ci * Wp + cj) * C + cols
+            tl.store(dm_images[0] + out, dm_first, mask=cmask)
+            tl.store(dm_images[1] + out, dm_second, mask=cmask)
+    _store_sums(partial_ptr, row * tl.num_programs(1) + block, C, s_xg, s_g, s_mu, s_var, s_mit,
+                s_vit, C_BLOCK)
+    tl.debug_barrier()  # dL/dm of the cells, written above, is read back below
+    image_block = b * tl.num_programs(1) + block
+    _rows_gradient(grad_p_y_ptr + (image_block * heads * Hp + ci) * Hp, dm_images[0],
+                   dm_images[1], cells[0], cells[1], centre, p_x_ptr, span_y_ptr, span_x_ptr, ci,
+                   block * CELLS, tl.minimum(block * CELLS + CELLS, Wp), Hp, Wp, C, d, heads,
+                   SPREAD, CELLS, C_BLOCK)
+
+
+def _cell_gradients_spec(C, pool, spread):
+    return (_cell_gradients_kernel, dict(SPREAD=spread, CELLS=CELLS_PER_PROGRAM,
+                                         S_BLOCK=triton.next_power_of_2(pool),
+                                         C_BLOCK=_c_block(C)), _warps(C))
+
+
+# ---------------------------------------------------------------------------- fused backward
+@triton.jit
+def _fused_token_terms(x_ptr, g_ptr, mean_ptr, var_ptr, mean_image, spread_image, centre,
+                       p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, lam_m, kap_m, lam_v, kap_v,
+                       weight, b, i, j, ci, cj, valid, H, W, Hp, Wp, C, d, eps,
+                       SPREAD: tl.constexpr, C_BLOCK: tl.constexpr):
+    """The tokens (i, j) of image b, in the cells (ci, cj) of the Hp x Wp grid (the tokens
+    themselves without pooling): x and its mask, dL/dy, Eq. 2, P^h T_0 and the inter-token
+    variance (m formed on chip), D1 and D2 (zero outside the mask) and xhat g."""
     tokens = i * W + j
     x, mask = _load_tokens(_image(x_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
     g, _ = _load_tokens(_image(g_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
     mean_ln = tl.load(_image(mean_ptr, b, H * W) + tokens, mask=valid, other=0.0)
     var_ln = tl.load(_image(var_ptr, b, H * W) + tokens, mask=valid, other=0.0)
-    x_image = _image(x_ptr, b, H * W * C)
-    first, second = _banded_moments(x_image, x_image, centre, p_y_ptr, p_x_ptr, span_y_ptr,
-                                    span_x_ptr, i, j, valid, mask, H, W, C, d, False, C_BLOCK)
+    first, second = _banded_moments(mean_image, spread_image, centre, p_y_ptr, p_x_ptr,
+                                    span_y_ptr, span_x_ptr, ci, cj, valid, mask, Hp, Wp, C, d,
+                                    SPREAD, C_BLOCK)
     var_it = tl.maximum(second - first * first, 0.0)
     d1, d2, xg = _token_terms(x, g, mean_ln, var_ln, first, var_it, centre[None, :], lam_m, kap_m,
                               lam_v, kap_v, weight, eps)
@@ -706,19 +617,16 @@ def _fused_token_terms(x_ptr, g_ptr, mean_ptr, var_ptr, centre, p_y_ptr, p_x_ptr
 
 
 @triton.jit(do_not_specialize=['H', 'W', 'C'])
-def _fused_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, centre_ptr, p_y_ptr, p_x_ptr,
+def _token_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, centre_ptr, p_y_ptr, p_x_ptr,
                             span_y_ptr, span_x_ptr, ratios_ptr, weight_ptr, dm_first_ptr,
                             dm_second_ptr, grad_p_y_ptr, partial_ptr, H, W, C, d, heads, eps,
                             TILE: tl.constexpr, C_BLOCK: tl.constexpr):
     """Without pooling, backward pass 1 for token row i of image b: with m formed on chip, dL/dm
     of its tokens (written) and their sums for the parameters; then row i of image b's share of
-    the gradient of P_y, sum over the row's tokens and each head's channels of dL/dm u for the
-    rows of u = P_x T in the band (u formed again on chip, dL/dm read back from cache)."""
+    the gradient of P_y (:func:`_rows_gradient`)."""
     row = tl.program_id(0)
     b, i = row // H, row % H
     cols = tl.arange(0, C_BLOCK)
-    cmask = cols < C
-    head = cols // d
     centre, lam_m, kap_m, lam_v, kap_v, weight = _image_constants(centre_ptr, ratios_ptr,
                                                                   weight_ptr, b, C, C_BLOCK)
     x_image = _image(x_ptr, b, H * W * C)
@@ -729,12 +637,12 @@ def _fused_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, centre_ptr, p_y_ptr
         valid = j < W
         tokens = i * W + j
         x, mask, g, mean_ln, var_ln, first, var_it, d1, d2, xg = _fused_token_terms(
-            x_ptr, g_ptr, mean_ptr, var_ptr, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr,
-            lam_m, kap_m, lam_v, kap_v, weight, b, i, j, valid, H, W, C, d, eps, C_BLOCK)
-        # dL/dm_second = dL/dvar_it [var_it > 0], dL/dm_first = dL/dmu_it - 2 m_first dm_second
-        dm_second = tl.where(var_it > 0, -0.5 * kap_v * d2, 0.0)
+            x_ptr, g_ptr, mean_ptr, var_ptr, x_image, x_image, centre, p_y_ptr, p_x_ptr,
+            span_y_ptr, span_x_ptr, lam_m, kap_m, lam_v, kap_v, weight, b, i, j, i, j, valid, H,
+            W, H, W, C, d, eps, False, C_BLOCK)
+        dm_first, dm_second = _cell_gradient(first, var_it, d1, d2, kap_m, kap_v)
         offsets = tokens[:, None] * C + cols[None, :]
-        tl.store(dm_images[0] + offsets, -kap_m * d1 - 2.0 * first * dm_second, mask=mask)
+        tl.store(dm_images[0] + offsets, dm_first, mask=mask)
         tl.store(dm_images[1] + offsets, dm_second, mask=mask)
         s_xg += tl.sum(tl.where(mask, xg, 0.0), axis=0)
         s_g += tl.sum(g, axis=0)
@@ -744,117 +652,144 @@ def _fused_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, centre_ptr, p_y_ptr
         s_vit += tl.sum(var_it * d2, axis=0)
     _store_sums(partial_ptr, row, C, s_xg, s_g, s_mu, s_var, s_mit, s_vit, C_BLOCK)
     tl.debug_barrier()  # dL/dm of the row, written above, is read back below
-    lo_y, hi_y = _axis_span(span_y_ptr, i + tl.zeros([1], tl.int32), i >= 0, H)
-    for i2 in range(0, H):
-        total = tl.zeros([C_BLOCK], tl.float32)
-        if (i2 >= lo_y) & (i2 < hi_y):  # elsewhere P_y is zero: a zero gradient
-            for start in range(0, W, TILE):
-                j = start + tl.arange(0, TILE)
-                valid = j < W
-                mask = valid[:, None] & cmask[None, :]
-                lo_x, hi_x = _axis_span(span_x_ptr, j, valid, W)
-                p_x_rows = head[None, :] * W * W + j[:, None] * W
-                u_first, u_second = _row_products(x_image, x_image, centre, p_x_ptr, p_x_rows, i2,
-                                                  lo_x, hi_x, mask, W, C, False, C_BLOCK)
-                offsets = (i * W + j)[:, None] * C + cols[None, :]
-                dm_first = tl.load(dm_images[0] + offsets, mask=mask, other=0.0)
-                dm_second = tl.load(dm_images[1] + offsets, mask=mask, other=0.0)
-                total += tl.sum(dm_first * u_first + dm_second * u_second, axis=0)
-        for h in range(heads):
-            tl.store(grad_p_y_ptr + ((b * heads + h) * H + i) * H + i2,
-                     tl.sum(tl.where(head == h, total, 0.0), axis=0))
+    _rows_gradient(grad_p_y_ptr + (b * heads * H + i) * H, dm_images[0], dm_images[1], x_image,
+                   x_image, centre, p_x_ptr, span_y_ptr, span_x_ptr, i, 0, W, H, W, C, d, heads,
+                   False, TILE, C_BLOCK)
 
 
 @triton.jit(do_not_specialize=['H', 'W', 'C'])
-def _fused_input_gradient_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, centre_ptr, p_y_ptr, p_x_ptr,
-                                 span_y_ptr, span_x_ptr, ratios_ptr, weight_ptr, dm_first_ptr,
-                                 dm_second_ptr, grad_p_x_ptr, dx_ptr, H, W, C, d, heads, eps,
-                                 n_var, TILE: tl.constexpr, C_BLOCK: tl.constexpr):
-    """Without pooling, backward pass 2 for TILE token columns j of image b, row after row: the
-    products backwards on chip, dL/du = P_y^T dL/dm over the band of P_y's column i for every
-    row of P_x whose column j is nonzero and dL/dT = P_x^T dL/du; dx (with m and the per-token
-    terms formed again); and image b's share of the gradient of P_x at columns j, sum over the
-    rows and each head's channels of dL/du T, accumulated in place (the program owns them)."""
+def _input_gradient_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, cell_mean_ptr, cell_var_ptr,
+                           centre_ptr, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, ratios_ptr,
+                           weight_ptr, dm_first_ptr, dm_second_ptr, grad_p_x_ptr, dx_ptr, H, W, C,
+                           pool, d, heads, eps, n_var, POOLED: tl.constexpr, SPREAD: tl.constexpr,
+                           TILE: tl.constexpr, C_BLOCK: tl.constexpr):
+    """Backward pass 2 for TILE token columns j of image b, row after row, in cells (ci, cj) of
+    the Hp x Wp grid (the tokens themselves without pooling): the products backwards on chip,
+    dL/du = P_y^T dL/dm over the band of P_y's column ci for every row of P_x whose column cj is
+    nonzero and dL/dT = P_x^T dL/du; dx (with m and the per-token terms formed again) =
+    D1 + x beta + alpha (Eq. 2 backwards) + (dL/dT_0 + 2 s dL/dT_1) / n, with n the tokens of the
+    cell and s = x - centre where T_1 is the cell's mean of (x - centre)^2 (SPREAD), T_0 where it
+    is T_0^2; and image b's share of the gradient of P_x at columns cj, sum over the cell rows and
+    each head's channels of dL/du T, accumulated in place by the program that holds the cell's
+    first column, at its first token row (deterministic, no atomics)."""
     b, block = tl.program_id(0), tl.program_id(1)
+    Hp, Wp = (H + pool - 1) // pool, (W + pool - 1) // pool
     j = block * TILE + tl.arange(0, TILE)
     valid = j < W
+    cj = j // pool
     cols = tl.arange(0, C_BLOCK)
     cmask = cols < C
     head = cols // d
     centre, lam_m, kap_m, lam_v, kap_v, weight = _image_constants(centre_ptr, ratios_ptr,
                                                                   weight_ptr, b, C, C_BLOCK)
-    dm_images = _image(dm_first_ptr, b, H * W * C), _image(dm_second_ptr, b, H * W * C)
-    for j1 in range(0, W):
+    if POOLED:
+        mean_image = _image(cell_mean_ptr, b, Hp * Wp * C)
+        spread_image = _image(cell_var_ptr, b, Hp * Wp * C)
+    else:  # the tokens are the cells
+        mean_image = _image(x_ptr, b, H * W * C)
+        spread_image = mean_image
+    dm_images = _image(dm_first_ptr, b, Hp * Wp * C), _image(dm_second_ptr, b, Hp * Wp * C)
+    owner = valid & (j % pool == 0)
+    for j1 in range(0, Wp):
         for h in range(heads):
-            tl.store(grad_p_x_ptr + ((b * heads + h) * W + j1) * W + j,
-                     tl.zeros([TILE], tl.float32), mask=valid)
+            tl.store(grad_p_x_ptr + ((b * heads + h) * Wp + j1) * Wp + cj,
+                     tl.zeros([TILE], tl.float32), mask=owner)
     tl.debug_barrier()
-    lo_j, hi_j = _axis_span(span_x_ptr + 2 * W, j, valid, W)  # rows of P_x nonzero at columns j
+    lo_j, hi_j = _axis_span(span_x_ptr + 2 * Wp, cj, valid, Wp)  # rows of P_x nonzero at cj
+    columns = tl.minimum(W - cj * pool, pool)
     for i in range(0, H):
+        ci = i // pool
         tokens = i * W + j
         x, mask, g, mean_ln, var_ln, first, var_it, d1, d2, _ = _fused_token_terms(
-            x_ptr, g_ptr, mean_ptr, var_ptr, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr,
-            lam_m, kap_m, lam_v, kap_v, weight, b, i, j, valid, H, W, C, d, eps, C_BLOCK)
+            x_ptr, g_ptr, mean_ptr, var_ptr, mean_image, spread_image, centre, p_y_ptr, p_x_ptr,
+            span_y_ptr, span_x_ptr, lam_m, kap_m, lam_v, kap_v, weight, b, i, j, ci, cj, valid, H,
+            W, Hp, Wp, C, d, eps, SPREAD, C_BLOCK)
         # Eq. 2 backwards: dL/dvar_ln = -sum(D2 lam_v) / 2, dL/dmu_ln = -sum(D1 lam_m)
         beta = -tl.sum(d2 * lam_v, axis=1) / n_var
         alpha = -tl.sum(d1 * lam_m, axis=1) / C - beta * mean_ln
-        t = tl.where(mask, x - centre[None, :], 0.0)
-        lo_i, hi_i = _axis_span(span_y_ptr + 2 * H, i + tl.zeros([1], tl.int32), i >= 0, H)
+        t_first, t_second = _moments(mean_image, spread_image, centre,
+                                     (ci * Wp + cj)[:, None] * C + cols[None, :], mask, SPREAD)
+        keeps = owner & (i % pool == 0)
+        lo_i, hi_i = _axis_span(span_y_ptr + 2 * Hp, ci + tl.zeros([1], tl.int32), ci >= 0, Hp)
         dT_first = tl.zeros(mask.shape, tl.float32)
         dT_second = tl.zeros(mask.shape, tl.float32)
         for j1 in range(lo_j, hi_j):
             du_first = tl.zeros([C_BLOCK], tl.float32)
             du_second = tl.zeros([C_BLOCK], tl.float32)
             for i1 in range(lo_i, hi_i):
-                w = tl.load(p_y_ptr + head * H * H + i1 * H + i, mask=cmask, other=0.0)
-                cell = (i1 * W + j1) * C + cols
+                w = tl.load(p_y_ptr + head * Hp * Hp + i1 * Hp + ci, mask=cmask, other=0.0)
+                cell = (i1 * Wp + j1) * C + cols
                 du_first += w * tl.load(dm_images[0] + cell, mask=cmask, other=0.0)
                 du_second += w * tl.load(dm_images[1] + cell, mask=cmask, other=0.0)
-            w = tl.load(p_x_ptr + (head[None, :] * W * W + j1 * W + j[:, None]), mask=mask,
+            w = tl.load(p_x_ptr + (head[None, :] * Wp * Wp + j1 * Wp + cj[:, None]), mask=mask,
                         other=0.0)
             dT_first += w * du_first[None, :]
             dT_second += w * du_second[None, :]
-            share = du_first[None, :] * t + du_second[None, :] * (t * t)
+            share = du_first[None, :] * t_first + du_second[None, :] * t_second
             for h in range(heads):
-                out = grad_p_x_ptr + ((b * heads + h) * W + j1) * W + j
-                total = tl.load(out, mask=valid, other=0.0)
+                out = grad_p_x_ptr + ((b * heads + h) * Wp + j1) * Wp + cj
+                total = tl.load(out, mask=keeps, other=0.0)
                 tl.store(out, total + tl.sum(tl.where(head[None, :] == h, share, 0.0), axis=1),
-                         mask=valid)
+                         mask=keeps)
         tl.debug_barrier()  # the next row adds to the same entries
-        dx = d1 + x * beta[:, None] + alpha[:, None] + dT_first + 2.0 * t * dT_second
+        if SPREAD:
+            spread = tl.where(mask, x - centre[None, :], 0.0)
+        else:
+            spread = t_first
+        rows = tl.minimum(H - ci * pool, pool)
+        inv_n = 1.0 / tl.maximum(rows * columns, 1).to(tl.float32)  # masked tokens: any n
+        dx = d1 + x * beta[:, None] + alpha[:, None] + (dT_first + 2.0 * spread * dT_second) * \
+            inv_n[:, None]
         tl.store(_image(dx_ptr, b, H * W * C) + tokens[:, None] * C + cols[None, :],
                  dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-def fused_backward(g, x, mean_ln, var_ln, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
-    """Without pooling: dx (x's shape and dtype), the gradients of p_y and p_x and the sums
-    (6, C) for the parameters, the products formed on chip over the nonzero bands; dL/dm
-    (float32, two values per token and channel) is the one tensor passed between the passes."""
+def fused_backward(g, x, mean_ln, var_ln, centre, p_y, p_x, ratios, weight, eps, n_var, grid,
+                   cells=None, square_of_pooled=False):
+    """dx (x's shape and dtype), the gradients of p_y and p_x and the sums (6, C) for the
+    parameters, the products formed on chip over the nonzero bands; with pooling from the cell
+    moments ``cells`` of :func:`statistics`. dL/dm (float32, two values per cell and channel) is
+    the one tensor passed between the passes."""
     B, N, C = x.shape
-    H, W, heads = grid.H, grid.W, grid.heads
+    H, W, heads, Hp, Wp = grid.H, grid.W, grid.heads, grid.Hp, grid.Wp
     span_y, span_x = spans(p_y), spans(p_x)
     f32 = dict(dtype=torch.float32, device=x.device)
-    dm = torch.empty(2, B, N, C, **f32)
-    grad_p_y = torch.empty(B, heads, H, H, **f32)
-    partial = torch.empty(B * H, 6, C, **f32)
-    common = [g, x, mean_ln, var_ln, centre, p_y, p_x, span_y, span_x, ratios, weight]
-    _launch('triton.fused_gradients', _fused_gradients_spec(C), (B * H, ), common,
-            [dm, grad_p_y, partial], *common, dm[0], dm[1], grad_p_y, partial, H, W, C, grid.d,
-            heads, float(eps))
-    grad_p_x = torch.empty(B, heads, W, W, **f32)
+    dm = torch.empty(2, B, Hp * Wp, C, **f32)
+    common = [g, x, mean_ln, var_ln]
+    factors = [centre, p_y, p_x, span_y, span_x, ratios, weight]
+    cell_args = [] if cells is None else [cells[0], cells[1]]
+    if grid.pooled:
+        programs = (B * Hp, triton.cdiv(Wp, CELLS_PER_PROGRAM))
+        grad_p_y = torch.empty(B * programs[1], heads, Hp, Hp, **f32)
+        partial = torch.empty(programs[0] * programs[1], 6, C, **f32)
+        _launch('triton.cell_gradients', _cell_gradients_spec(C, grid.pool, not square_of_pooled),
+                programs, [*common, *cell_args, *factors], [dm, grad_p_y, partial], *common,
+                *cell_args, *factors, dm[0], dm[1], grad_p_y, partial, H, W, C, grid.pool,
+                grid.d, heads, float(eps))
+    else:
+        grad_p_y = torch.empty(B, heads, H, H, **f32)
+        partial = torch.empty(B * H, 6, C, **f32)
+        _launch('triton.token_gradients', _token_gradients_spec(C), (B * H, ),
+                [*common, *factors], [dm, grad_p_y, partial], *common, *factors, dm[0], dm[1],
+                grad_p_y, partial, H, W, C, grid.d, heads, float(eps))
+    grad_p_x = torch.empty(B, heads, Wp, Wp, **f32)
     dx = x.new_empty(x.shape)
-    _launch('triton.fused_input_gradient', _fused_input_gradient_spec(C),
-            (B, triton.cdiv(W, _tile(C))), [*common, dm], [grad_p_x, dx], *common, dm[0], dm[1],
-            grad_p_x, dx, H, W, C, grid.d, heads, float(eps), float(n_var))
+    cell_pointers = cell_args or [mean_ln, mean_ln]  # without pooling: not read
+    spec = _input_gradient_spec(C, grid.pooled, not square_of_pooled)
+    _launch('triton.input_gradient', spec, (B, triton.cdiv(W, _tile(C))),
+            [*common, *cell_args, *factors, dm], [grad_p_x, dx], *common, *cell_pointers,
+            *factors, dm[0], dm[1], grad_p_x, dx, H, W, C, grid.pool, grid.d, heads, float(eps),
+            float(n_var))
     return dx, grad_p_y.sum(0), grad_p_x.sum(0), partial.sum(0)
 
 
-def _fused_gradients_spec(C):
-    return _fused_gradients_kernel, dict(TILE=_tile(C), C_BLOCK=_c_block(C)), _warps(C)
+def _token_gradients_spec(C):
+    return _token_gradients_kernel, dict(TILE=_tile(C), C_BLOCK=_c_block(C)), _warps(C)
 
 
-def _fused_input_gradient_spec(C):
-    return _fused_input_gradient_kernel, dict(TILE=_tile(C), C_BLOCK=_c_block(C)), _warps(C)
+def _input_gradient_spec(C, pooled, spread):
+    return (_input_gradient_kernel, dict(POOLED=pooled, SPREAD=pooled and spread,
+                                         TILE=_tile(C), C_BLOCK=_c_block(C)), _warps(C))
 
 
 # ---------------------------------------------------------------------------- specialisations
@@ -863,7 +798,8 @@ def specializations(C, pool, square_of_pooled=False):
     backward, as (kernel, constexprs, num_warps): what a GPU compiles for it (the tokens' dtype
     aside). The image size is not part of it."""
     if pool == 1:  # the products fused into the passes
-        return [_statistics_spec(C, pool), _spans_spec(), _fused_output_spec(C),
-                _fused_gradients_spec(C), _fused_input_gradient_spec(C)]
-    return [_statistics_spec(C, pool), _spans_spec(), _cell_output_spec(C, not square_of_pooled),
-            _gradients_spec(C, pool), _input_gradient_spec(C, pool, not square_of_pooled)]
+        return [_statistics_spec(C, pool), _spans_spec(), _output_spec(C, False, False),
+                _token_gradients_spec(C), _input_gradient_spec(C, False, False)]
+    spread = not square_of_pooled
+    return [_statistics_spec(C, pool), _spans_spec(), _output_spec(C, True, spread),
+            _cell_gradients_spec(C, pool, spread), _input_gradient_spec(C, True, spread)]
