@@ -365,6 +365,7 @@ def define_custom_ops(backend, name):
         x, p_y, p_x, ratios, weight, _, *options = inputs
         ctx.save_for_backward(x, p_y, p_x, ratios, weight, *output[1:])
         ctx.options = options
+        ctx.set_materialize_grads(False)  # no zeros for the saved outputs, which have no gradient
 
     def differentiate(ctx, grads):
         x, p_y, p_x, ratios, weight, *saved = ctx.saved_tensors
