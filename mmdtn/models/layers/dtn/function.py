@@ -13,7 +13,8 @@ Forward, for tokens x (B, N, C) on the grid of :class:`~.grid.TokenGrid`::
 and backward mirrors it: the token gradients (dL/dm per cell, the sums for the parameters), the
 products backwards (the gradients of P_y, P_x and dL/dT), the input gradient. Rows of P sum to 1, so
 the moments about the centre give exactly the statistics about 0 without the cancellation of
-E[x^2] - E[x]^2. A backend may fuse the products with the passes over the tokens (no pooling).
+E[x^2] - E[x]^2. A backend may fuse the products with the passes over the tokens (without
+pooling, or with pooling over the cells: ``fuses_cell_products``).
 
 Backends whose passes PyTorch can trace run inside an autograd Function
 (:func:`define_traced_function`) that ``torch.compile`` and ``torch.export`` trace through.
