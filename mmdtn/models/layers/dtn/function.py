@@ -352,6 +352,10 @@ def define_custom_ops(backend, name):
         x, p_y, p_x, ratios, weight, _, *options = inputs
         ctx.save_for_backward(x, p_y, p_x, ratios, weight, *output[1:])
         ctx.options = options
+        # the saved statistics are outputs for save_for_backward only: no gradients flow into
+        # them, and none are filled with zeros for the backward pass
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)
 
     def differentiate(ctx, grads):
         x, p_y, p_x, ratios, weight, *saved = ctx.saved_tensors

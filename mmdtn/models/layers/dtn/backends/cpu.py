@@ -16,7 +16,6 @@ record as single operations.
 import torch
 
 from ..function import TokenStatistics, define_custom_ops, ln_gradient
-from ..positional import relative_offsets
 from .base import Backend, DenseFactor, RecordedKernels
 
 try:  # built by setup.py
@@ -50,8 +49,10 @@ class BandedFactor:
         L = p.shape[-1]
         if L < 2 * BAND_ROWS:
             return False
-        nonzero = (p.detach() != 0).flatten(0, -3).any(0)
-        offsets = relative_offsets(L, p.device, torch.int64)[nonzero]  # j - i
+        # in NumPy: a handful of serial passes over the small factor, where PyTorch would run
+        # several operations, each a parallel region of its own
+        rows, cols = (p.detach().reshape(-1, L, L).numpy() != 0).any(0).nonzero()
+        offsets = cols - rows  # j - i of the nonzero weights
         width = int(offsets.max()) - int(offsets.min()) + 1
         return width + BAND_ROWS - 1 <= BAND_MAX_FILL * L
 
