@@ -359,6 +359,8 @@ def define_custom_ops(backend, name):
 
     def differentiate(ctx, grads):
         x, p_y, p_x, ratios, weight, *saved = ctx.saved_tensors
+        if grads[0] is None:  # y takes no part in the loss
+            return (None, ) * (6 + len(ctx.options))
         grad = grads[0].to(x.dtype).contiguous()
         result = backward(grad, x, p_y, p_x, ratios, weight, *saved, *ctx.options)
         return (*result, *([None] * len(ctx.options)))
