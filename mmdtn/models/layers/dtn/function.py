@@ -193,8 +193,7 @@ def moments(stats, grid):
 def row_products(T, factor_x):
     """u = P_x^h T along every row of cells, head-major (heads, 2, B, Hp, Wp, d)."""
     heads, Wp = T.shape[:2]
-    u = factor_x.matmul(T.view(heads, Wp, -1)).view(T.shape)
-    return u.permute(0, 2, 3, 4, 1, 5).contiguous()
+    return factor_x.matmul(T.view(heads, Wp, -1), layout=(T.shape, (0, 2, 3, 4, 1, 5)))
 
 
 def positional_products(T, factor_y, factor_x, grid):
@@ -217,8 +216,9 @@ def rows_backward(dm, u, factor_y, grid):
     dm_rows = dm.view(-1, Hp, Wp * d)
     grad_p_y = factor_y.outer(dm_rows, u.view(-1, Hp, Wp * d)).view(heads, 2 * B, Hp, Hp).sum(1)
     del u
-    du = factor_y.matmul(dm_rows, transpose=True).view(heads, 2, B, Hp, Wp, d)
-    return grad_p_y, du.permute(0, 4, 1, 2, 3, 5).contiguous().view(heads, Wp, -1)
+    du = factor_y.matmul(dm_rows, transpose=True,
+                         layout=((heads, 2, B, Hp, Wp, d), (0, 4, 1, 2, 3, 5)))
+    return grad_p_y, du.view(heads, Wp, -1)
 
 
 def columns_backward(du, T, factor_x, grid):

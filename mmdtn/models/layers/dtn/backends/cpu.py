@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - installs without a C++ compiler or MMD
 #: The C++ kernels (None where mmdtn was installed without them), each call recorded while
 #: benchmarks count launches (:func:`.base.recording_launches`).
 kernels = None if _cpu_kernels is None else RecordedKernels(
-    _cpu_kernels, 'cpu', in_place={'input_gradient': ('dx', )})
+    _cpu_kernels, 'cpu', in_place={'input_gradient': ('dx', )}, out={'band_matmul': ('out', )})
 
 __all__ = ['CpuBackend', 'BandedFactor']
 
@@ -56,9 +56,21 @@ class BandedFactor:
         width = int(offsets.max()) - int(offsets.min()) + 1
         return width + BAND_ROWS - 1 <= BAND_MAX_FILL * L
 
-    def matmul(self, x, transpose=False):
-        return kernels.band_matmul(p=self.p, x=x, group=x.shape[0] // self.p.shape[0],
-                                   transpose=transpose)
+    def matmul(self, x, transpose=False, layout=None):
+        group = x.shape[0] // self.p.shape[0]
+        if layout is None:
+            return kernels.band_matmul(p=self.p, x=x, group=group, transpose=transpose)
+        # the kernel writes the product straight into the permuted layout
+        shape, dims = layout
+        out = x.new_empty([shape[d] for d in dims])
+        lead, matrices = 0, 1  # the leading dims of ``shape`` that index the matrices
+        while matrices < x.shape[0] or shape[lead] == 1:
+            matrices *= shape[lead]
+            lead += 1
+        inverse = sorted(range(len(dims)), key=dims.__getitem__)
+        kernels.band_matmul(p=self.p, x=x, group=group, transpose=transpose,
+                            out=out.permute(inverse), lead=lead)
+        return out
 
     def outer(self, a, x):
         return kernels.band_outer(p=self.p, a=a, x=x, group=x.shape[0] // self.p.shape[0])

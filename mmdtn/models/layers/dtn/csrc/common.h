@@ -100,6 +100,15 @@ struct BandOperands {
   int64_t group;
 };
 
+// Where band_matmul writes Y[k, i, c] of its product (n, L, N): at out + matrix[k] + i * row +
+// chunk[c / width] + c % width, with ``width`` the contiguous last dimension of ``out``, so that
+// the product lands in any permuted layout without a second pass.
+struct BandDestination {
+  const Tensor& out;
+  std::vector<int64_t> matrix, chunk;
+  int64_t row, width;
+};
+
 // The fused passes without pooling (the positional products included).
 struct FusedRowOperands {
   const Tensor &x, &mean_ln, &var_ln, &centre, &p_y, &p_x, &ratios, &weight;

@@ -134,12 +134,40 @@ void check_band(const BandOperands& o) {
               "X: expected a contiguous (nP * group, L, N) tensor of P's dtype");
 }
 
-Tensor band_matmul(const Tensor& p, const Tensor& x, int64_t group, bool transpose) {
+// The offsets of every index of dims [from, to) of t, in row-major order.
+std::vector<int64_t> index_offsets(const Tensor& t, int64_t from, int64_t to) {
+  std::vector<int64_t> offsets{0};
+  for (int64_t dim = from; dim < to; ++dim) {
+    std::vector<int64_t> next;
+    next.reserve(offsets.size() * t.size(dim));
+    for (const int64_t base : offsets)
+      for (int64_t i = 0; i < t.size(dim); ++i) next.push_back(base + i * t.stride(dim));
+    offsets = std::move(next);
+  }
+  return offsets;
+}
+
+// P X (or P^T X) into ``out`` if given, else into a new (n, L, N) tensor. ``out``: any strided
+// view whose dims [0, lead) index the matrices, dim ``lead`` the rows and the remaining dims the
+// columns, the last one contiguous (e.g. a permutation of a new tensor: the product lands in it
+// in that layout).
+Tensor band_matmul(const Tensor& p, const Tensor& x, int64_t group, bool transpose,
+                   const c10::optional<Tensor>& out, int64_t lead) {
   const BandOperands o{p, x, group};
   check_band(o);
-  auto out = torch::empty_like(x);
-  KERNELS(band_products).matmul(o, transpose, out);
-  return out;
+  const Tensor y = out ? *out : torch::empty_like(x);
+  if (!out) lead = 1;
+  const int64_t n = x.size(0), L = x.size(1);
+  TORCH_CHECK(lead >= 1 && y.dim() >= lead + 2 && y.scalar_type() == x.scalar_type() &&
+                  y.stride(-1) == 1 && y.size(lead) == L &&
+                  y.numel() == x.numel() && c10::multiply_integers(y.sizes().slice(0, lead)) == n,
+              "out: expected a view of X's dtype and size with (n) matrices in its first ", lead,
+              " dims, then the L rows, then the N columns, the last dim contiguous");
+  const BandDestination destination{y, index_offsets(y, 0, lead),
+                                    index_offsets(y, lead + 1, y.dim() - 1), y.stride(lead),
+                                    y.size(-1)};
+  KERNELS(band_products).matmul(o, transpose, destination);
+  return y;
 }
 
 Tensor band_outer(const Tensor& p, const Tensor& a, const Tensor& x, int64_t group) {
@@ -236,7 +264,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("dx"), arg("x"), arg("beta"), arg("alpha"), arg("d_first"), arg("d_second"),
         arg("centre"), arg("H"), arg("W"), arg("pool"), arg("num_heads"));
   m.def("band_matmul", &band_matmul, "P X (or P^T X) over the nonzero span of every row of P",
-        arg("p"), arg("x"), arg("group"), arg("transpose"));
+        arg("p"), arg("x"), arg("group"), arg("transpose"), arg("out") = py::none(),
+        arg("lead") = 1);
   m.def("band_outer", &band_outer, "A X^T where P is nonzero, 0 elsewhere", arg("p"), arg("a"),
         arg("x"), arg("group"));
   m.def("fused_forward", &fused_forward, "Eqs. 4 and 5 without pooling, products fused",
