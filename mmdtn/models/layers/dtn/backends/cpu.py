@@ -15,7 +15,7 @@ record as single operations.
 """
 import torch
 
-from ..function import TokenStatistics, define_custom_ops, ln_gradient
+from ..function import TokenStatistics, define_custom_ops
 from .base import Backend, DenseFactor, RecordedKernels
 
 try:  # built by setup.py
@@ -134,10 +134,10 @@ class CpuBackend(Backend):
 
     def input_gradient(self, tokens, g, x, saved, m, ratios, weight, eps, n_var, d_first,
                        d_second, grid):
-        d1, tok1, tok2 = tokens
-        beta, alpha = ln_gradient(tok1, tok2, saved.mean_ln, grid.C, n_var)
+        d1, tok1, tok2 = tokens  # the kernel forms beta and alpha of ln_gradient per token
         kernels.input_gradient(
-            dx=d1, x=x, beta=beta, alpha=alpha, d_first=grid.from_column_major(d_first),
+            dx=d1, x=x, tok1=tok1, tok2=tok2, mean_ln=saved.mean_ln, n_var=float(n_var),
+            d_first=grid.from_column_major(d_first),
             d_second=None if d_second is None else grid.from_column_major(d_second),
             centre=saved.centre, **self._geometry(grid))
         return d1

@@ -85,10 +85,13 @@ struct TokenGradientOperands {
   const Tensor &dm_first, &dm_second;
 };
 
-// dx += x beta + alpha + (dT_0 + 2 (x - centre) dT_1) / n; d_second may be absent.
+// dx += x beta + alpha + (dT_0 + 2 (x - centre) dT_1) / n, with beta and alpha per token from the
+// sums tok1 and tok2 of the first pass (the gradient of Eq. 2); d_second may be absent.
 struct InputGradientOperands {
   Tensor& dx;
-  const Tensor &x, &beta, &alpha, &d_first;
+  const Tensor &x, &tok1, &tok2, &mean_ln;
+  double n_var;
+  const Tensor& d_first;
   const Tensor* d_second;
   const Tensor& centre;
 };

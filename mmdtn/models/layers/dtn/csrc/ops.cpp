@@ -111,17 +111,22 @@ std::vector<Tensor> token_gradients(const Tensor& grad, const Tensor& x, const T
   return {dx, tok1, tok2, sums.sum(0)};
 }
 
-void input_gradient(Tensor& dx, const Tensor& x, const Tensor& beta, const Tensor& alpha,
-                    const Tensor& d_first, const c10::optional<Tensor>& d_second,
-                    const Tensor& centre, int64_t H, int64_t W, int64_t pool,
-                    int64_t num_heads) {
+void input_gradient(Tensor& dx, const Tensor& x, const Tensor& tok1, const Tensor& tok2,
+                    const Tensor& mean_ln, double n_var, const Tensor& d_first,
+                    const c10::optional<Tensor>& d_second, const Tensor& centre, int64_t H,
+                    int64_t W, int64_t pool, int64_t num_heads) {
   const Grid g(x, H, W, pool, num_heads);
   check_tokens(x, g);
   TORCH_CHECK(dx.sizes() == x.sizes() && dx.is_contiguous(), "dx: expected x's shape");
+  for (const auto* t : {&tok1, &tok2, &mean_ln})
+    TORCH_CHECK(t->is_contiguous() && t->numel() == g.B * H * W,
+                "tok1, tok2, mean_ln: expected contiguous (B, N, 1) tensors");
   check_cell_view(d_first, g, "d_first");
   if (d_second) check_cell_view(*d_second, g, "d_second");
   KERNELS(token_passes)
-      .input_gradient({dx, x, beta, alpha, d_first, d_second ? &*d_second : nullptr, centre}, g);
+      .input_gradient({dx, x, tok1, tok2, mean_ln, n_var, d_first,
+                       d_second ? &*d_second : nullptr, centre},
+                      g);
 }
 
 void check_band(const BandOperands& o) {
@@ -261,8 +266,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("centre"), arg("ratios"), arg("weight"), arg("eps"), arg("dm_first"),
         arg("dm_second"), arg("H"), arg("W"), arg("pool"), arg("num_heads"));
   m.def("input_gradient", &input_gradient, "the second backward pass over the tokens, into dx",
-        arg("dx"), arg("x"), arg("beta"), arg("alpha"), arg("d_first"), arg("d_second"),
-        arg("centre"), arg("H"), arg("W"), arg("pool"), arg("num_heads"));
+        arg("dx"), arg("x"), arg("tok1"), arg("tok2"), arg("mean_ln"), arg("n_var"),
+        arg("d_first"), arg("d_second"), arg("centre"), arg("H"), arg("W"), arg("pool"),
+        arg("num_heads"));
   m.def("band_matmul", &band_matmul, "P X (or P^T X) over the nonzero span of every row of P",
         arg("p"), arg("x"), arg("group"), arg("transpose"), arg("out") = py::none(),
         arg("lead") = 1);
