@@ -15,7 +15,9 @@ from test_dynamic_token_norm import dense_dtn, randomize, tokens
 from mmdtn import DynamicTokenNorm, set_dtn_backend
 from mmdtn.models.layers.dtn.backends import select_backend
 from mmdtn.models.layers.dtn.backends import triton as triton_backend
+from mmdtn.models.layers.dtn.backends import triton_kernels
 from mmdtn.models.layers.dtn.grid import TokenGrid
+from mmdtn.models.layers.dtn.positional import axis_factors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,6 +64,46 @@ def test_equals_dense_reference_float32(triton_dtn, hw, pool, heads, C, B, refer
     assert max(relative_errors(norm, x, hw)) < 1e-5
 
 
+def outputs_and_gradients(norm, x, hw):
+    x = x.detach().requires_grad_()
+    y = norm(x, hw)
+    g = torch.linspace(-1, 1, y.numel()).view_as(y)
+    return [y, *torch.autograd.grad((y * g).sum(), [x, *norm.parameters()])]
+
+
+@pytest.mark.parametrize('hw,heads,B', [((3, 16), 5, 1), ((17, 2), 3, 3), ((2, 15), 1, 1)])
+@pytest.mark.parametrize('reference_compat', [False, True])
+def test_banded_products_without_pooling(triton_dtn, hw, heads, B, reference_compat):
+    """Without pooling the products are formed on chip over the nonzero bands of P_y and P_x
+    (found on the device): axes longer than the band, heads of different band widths; equal to
+    the dense reference and to the 'torch' backend, forward and every gradient."""
+    C = 4 * heads
+    norm = randomize(DynamicTokenNorm(C, heads, eps=1e-5,
+                                      reference_compat=reference_compat)).float()
+    with torch.no_grad():
+        norm.pos_coef[:, 0] = -torch.linspace(1.0, 4.0, heads)
+    p_y, p_x = norm.axis_matrices(hw)
+    assert (p_x[:, 0] == 0).any() or (p_y[:, 0] == 0).any()  # a real band
+    x = tokens(B, *hw, C, torch.float32)
+    assert max(relative_errors(norm, x, hw)) < 1e-5
+    triton_results = outputs_and_gradients(norm, x, hw)
+    set_dtn_backend('torch')
+    for a, b in zip(triton_results, outputs_and_gradients(norm, x, hw)):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+
+def test_spans_of_a_factor_are_its_nonzero_band():
+    coef = torch.tensor([[-4.0, 2.0, 0.0], [-0.7, -2.0, 1.0]])
+    p_y, p_x = axis_factors(coef, 5, 30)
+    for p in (p_y, p_x):
+        nonzero = (p != 0).any(0)
+        index = torch.arange(p.shape[-1])
+        expected = torch.stack([torch.stack([torch.where(row, index, 99).min(),
+                                             torch.where(row, index + 1, 0).max()])
+                                for part in (nonzero, nonzero.T) for row in part])
+        assert torch.equal(triton_kernels.spans(p).view(-1, 2).long(), expected)
+
+
 @pytest.mark.parametrize('dtype,tol', [(torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize('pool', [1, 2])
 def test_half_precision_tokens_are_read_directly(triton_dtn, dtype, tol, pool):
@@ -72,8 +114,9 @@ def test_half_precision_tokens_are_read_directly(triton_dtn, dtype, tol, pool):
     assert max(relative_errors(norm, x, (6, 7))) < tol
 
 
-def test_constant_and_large_tokens_stay_finite(triton_dtn):
-    norm = randomize(DynamicTokenNorm(16, 4, pool_size=2)).float()
+@pytest.mark.parametrize('pool', [1, 2])
+def test_constant_and_large_tokens_stay_finite(triton_dtn, pool):
+    norm = randomize(DynamicTokenNorm(16, 4, pool_size=pool)).float()
     x = torch.full((2, 24, 16), 3.0, requires_grad=True)
     y = norm(x, (4, 6))
     assert torch.allclose(y, norm.bias.expand_as(y), atol=1e-3)
@@ -125,8 +168,9 @@ def test_kernels_compile_for_sm90_without_spills():
     rows = json.loads(out.stdout)
     kernels = {r['kernel'] for r in rows}
     assert kernels == {'_token_statistics_kernel', '_cell_statistics_kernel', '_output_kernel',
-                       '_token_gradients_kernel', '_cell_gradients_kernel',
-                       '_input_gradient_kernel'}
+                       '_cell_gradients_kernel', '_input_gradient_kernel', '_spans_kernel',
+                       '_fused_output_kernel', '_fused_gradients_kernel',
+                       '_fused_input_gradient_kernel'}
     for r in rows:
         assert r['arch'] == 90 and set(r) >= {'kernel', 'registers', 'spills', 'shared_bytes'}
         assert r['spills'] == 0 and r['shared_bytes'] <= 227 * 1024, r

@@ -256,7 +256,10 @@ def test_layernorm_init_equals_layernorm_even_for_strongly_varying_tokens():
     # the gates still learn
     x.requires_grad_()
     norm(x, (H, W)).square().sum().backward()
-    assert norm.mean_gate.grad.abs().sum() > 0 and norm.var_gate.grad.abs().sum() > 0
+    assert all(gate.grad.abs().sum() > 0 for gate in norm.gates)
+    assert [n for n, _ in norm.named_parameters()] == [
+        'weight', 'bias', 'mean_gate_distance', 'var_gate_distance', 'pos_coef'
+    ]
 
 
 # ----------------------------------------------------------------------------- numerics

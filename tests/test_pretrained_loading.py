@@ -20,6 +20,7 @@ from mmdtn.models.backbones.pretrained import (load_pretrained, load_state_dict_
                                                pvt_checkpoint_to_mmdet, swin_checkpoint_to_mmdet,
                                                timm_pvt_v2_to_official, timm_swin_to_official)
 from mmdtn.models.layers import DTN_ONLY_PARAMETERS, DynamicTokenNorm
+from mmdtn.models.layers.dtn import DTN_INITS
 
 PVT_TINY_1 = dict(num_layers=[1, 1, 1, 1])  # PVT-Tiny widths, one layer per stage
 PVTV2_B0 = dict(embed_dims=32, num_layers=[2, 2, 2, 2])  # timm's pvt_v2_b0
@@ -205,7 +206,8 @@ def test_shape_mismatch_names_key_and_shapes(tmp_path):
 
 
 def test_dtn_only_parameters_are_the_layers_parameters_beyond_layernorm():
-    names = {n for n, _ in DynamicTokenNorm(8, 2).named_parameters()}
+    names = {n for init in DTN_INITS
+             for n, _ in DynamicTokenNorm(8, 2, init=init).named_parameters()}
     assert names - {'weight', 'bias'} == set(DTN_ONLY_PARAMETERS)
 
 
@@ -228,6 +230,7 @@ def test_strict_loading_refuses_partial_weights_and_loads_nothing(log):
     report = load_state_dict_checked(model, sd, log[0], strict=True)
     assert report.dtn_initialised and all(k.rsplit('.', 1)[1] in DTN_ONLY_PARAMETERS
                                           for k in report.dtn_initialised)
+
 
 def test_missing_file_and_bad_init_cfg(tmp_path):
     model = SwinTransformerDTN(**SWIN_S, init_cfg=pretrained(tmp_path / 'nope.pth'))

@@ -27,7 +27,7 @@ from timm.utils import CheckpointSaver
 
 import mmdtn.models.timm_dtn  # noqa: F401  (registers the timm DTN models: the documented import)
 from mmdtn.models.backbones import PyramidVisionTransformerDTN, SwinTransformerDTN
-from mmdtn.models.layers import DTN_ONLY_PARAMETERS, DynamicTokenNorm
+from mmdtn.models.layers import DTN_ONLY_PARAMETERS, LAYERNORM_GATE_LOGIT, DynamicTokenNorm
 from mmdtn.models.timm_dtn import BlockGridTokenNorm
 
 CONFIGS = osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), 'configs')
@@ -40,7 +40,6 @@ TIMM_DETECTORS = {
     'swin_tiny_patch4_window7_224_dtn': 'retinanet_swin-t-p4-w7-dtn_fpn_1x_coco',
 }
 DTN_ATTRIBUTES = ('num_features', 'num_heads', 'pool_size', 'eps', 'init', 'reference_compat')
-DTN_PARAMETERS = ('weight', 'bias') + tuple(DTN_ONLY_PARAMETERS)
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -98,9 +97,8 @@ def randomise_dtn(model, seed=0):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for layer in dtn_layers(model):
-            for name in ('mean_gate', 'var_gate', 'weight', 'bias'):
-                p = getattr(layer, name)
-                p.copy_((name == 'weight') + 0.5 * torch.randn(p.shape, generator=g))
+            for p in (*layer.gates, layer.weight, layer.bias):
+                p.copy_((p is layer.weight) + 0.5 * torch.randn(p.shape, generator=g))
             layer.pos_coef.mul_(1 + 0.3 * torch.rand(layer.pos_coef.shape, generator=g))
     return model
 
@@ -111,8 +109,10 @@ def assert_same_dtn_layers(source, target):
     assert len(a) == len(b) > 0
     for index, (p, q) in enumerate(zip(a, b)):
         assert [getattr(p, k) for k in DTN_ATTRIBUTES] == [getattr(q, k) for k in DTN_ATTRIBUTES]
-        for name in DTN_PARAMETERS:
-            assert torch.equal(getattr(p, name), getattr(q, name)), (index, name)
+        named = dict(q.named_parameters())
+        assert list(named) == [name for name, _ in p.named_parameters()]
+        for name, value in p.named_parameters():
+            assert torch.equal(value, named[name]), (index, name)
 
 
 def assert_features_close(a, b, tol=1e-5):
@@ -161,7 +161,7 @@ def test_timm_dtn_model_has_dtn_in_its_block_norms_and_trains(name, timm_model):
                    for n in norms)
     assert len(dtn_layers(model)) == sum(2 * len(s.blocks) for s, d in zip(stages, dtn_stages) if d)
     assert {f'{n}.{p}' for n, m in model.named_modules() if isinstance(m, DynamicTokenNorm)
-            for p in DTN_ONLY_PARAMETERS} <= model.no_weight_decay()
+            for p, _ in m.named_parameters() if p in DTN_ONLY_PARAMETERS} <= model.no_weight_decay()
 
     for size in [(224, 224), (64, 96)]:
         if size != (224, 224) and 'swin' in name:
@@ -329,15 +329,15 @@ def test_layernorm_start_is_the_layernorm_model_then_its_gates_train(tmp_path):
     for step in range(steps):
         optim_wrapper.backward(sum(dtn.loss(x, labels).values()))
         if step == 0:  # every gate at LayerNorm gets a gradient
-            assert all(torch.count_nonzero(m.mean_gate.grad) == m.num_heads
-                       and torch.count_nonzero(m.var_gate.grad) == m.num_heads for m in layers)
+            assert all(torch.count_nonzero(gate.grad) == m.num_heads
+                       for m in layers for gate in m.gates)
         optim_wrapper.step()
         optim_wrapper.zero_grad()
     away = torch.cat([torch.cat([1 - m.mean_lambda, 1 - m.var_lambda]) for m in layers])
     # each step moves a gate's 1 - lambda by about lr (AdamW), and none stays at LayerNorm
     assert away.min() > 0 and away.median() > 1e-4 and away.max() < 2 * steps * 1e-4
-    logits = [v for k, v in dtn.state_dict().items() if k.endswith(('mean_gate', 'var_gate'))]
-    assert max(v.max() for v in logits) < 20  # saved as logits far from LAYERNORM_GATE_LOGIT (40)
+    gates = {k.rsplit('.', 1)[1] for k in dtn.state_dict() if '_gate' in k}
+    assert gates == {'mean_gate_distance', 'var_gate_distance'}  # saved as they train
 
     torch.save({'state_dict': dtn.state_dict()}, tmp_path / 'dtn.pth')
     dtn.eval()
@@ -351,6 +351,54 @@ def test_layernorm_start_is_the_layernorm_model_then_its_gates_train(tmp_path):
             torch.testing.assert_close(q.var_lambda, p.var_lambda, rtol=1e-6, atol=1e-9)
         with torch.no_grad():
             assert_features_close(backbone(x), features)
+
+
+def test_ema_models_average_the_gates_of_a_layernorm_start():
+    """EMA models average ``state_dict()`` values (timm's ``ModelEmaV2``, mmengine's ``EMAHook``
+    with ``update_buffers=True``) or the parameters (timm's ``ModelEmaV3``): the gates of
+    ``dtn_init='layernorm'``, distances u from LayerNorm, are averaged like any parameter."""
+    from mmengine.model import ExponentialMovingAverage
+    from timm.utils import ModelEmaV2, ModelEmaV3
+
+    model = torch.nn.Sequential(DynamicTokenNorm(8, 2, init='layernorm'))
+    layer = model[0]
+    live = dict(model.named_parameters())
+    assert all(model.state_dict(keep_vars=True)[k] is v for k, v in live.items())
+    averages = [ModelEmaV2(model, decay=0.9), ModelEmaV3(model, decay=0.9),
+                ExponentialMovingAverage(model, momentum=0.1, update_buffers=True)]
+    averages[2].update_parameters(model)  # mmengine's first update copies the model
+    with torch.no_grad():
+        layer.mean_gate_distance.fill_(0.5), layer.var_gate_distance.fill_(-1.0)
+    for ema in averages:
+        ema.update(model) if hasattr(ema, 'update') else ema.update_parameters(model)
+    for ema in averages:
+        averaged = ema.module[0]
+        assert torch.allclose(averaged.mean_gate_distance, torch.full((2, ), 0.05))
+        assert torch.allclose(averaged.var_gate_distance, torch.full((2, ), -0.1))
+        assert torch.allclose(1 - averaged.var_lambda, torch.tanh(torch.tensor(0.1)))
+
+
+def test_gates_of_either_init_load_into_either():
+    """Checkpoints name the gates as they train (logits or distances u from LayerNorm); a layer of
+    the other ``init`` converts them on loading, to the same lambda (u comes back as |u|)."""
+    g = torch.Generator().manual_seed(0)
+    layers = {init: DynamicTokenNorm(8, 4, init=init) for init in ('paper', 'layernorm')}
+    with torch.no_grad():
+        for layer in layers.values():
+            for gate in layer.gates:
+                gate.copy_(torch.randn(4, generator=g))
+    for source in layers.values():
+        for init in ('paper', 'layernorm'):
+            target = DynamicTokenNorm(8, 4, init=init)
+            target.load_state_dict(source.state_dict())  # strict: every key used
+            for name in ('mean_lambda', 'var_lambda'):
+                torch.testing.assert_close(getattr(target, name), getattr(source, name))
+            if init == source.init:
+                assert all(torch.equal(a, b) for a, b in zip(target.gates, source.gates))
+    # a layer at LayerNorm (u = 0) loads into a paper layer at the largest logit
+    paper = DynamicTokenNorm(8, 4)
+    paper.load_state_dict(DynamicTokenNorm(8, 4, init='layernorm').state_dict())
+    assert torch.equal(paper.mean_gate, torch.full((4, ), LAYERNORM_GATE_LOGIT))
 
 
 # ---------------------------------------------------------------------------- position embeddings

@@ -79,7 +79,8 @@ def test_layernorm_init_equals_the_layernorm_model(class_token):
     dtn = timm.create_model('vit_tiny_patch16_224_dtn', **args, dtn_layers=2,
                             dtn_init='layernorm').eval()
     missing = dtn.load_state_dict(ln.state_dict(), strict=False).missing_keys
-    assert sorted({k.rsplit('.', 1)[1] for k in missing}) == ['mean_gate', 'pos_coef', 'var_gate']
+    assert sorted({k.rsplit('.', 1)[1] for k in missing}) == [
+        'mean_gate_distance', 'pos_coef', 'var_gate_distance']
     img = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         expected = stock_forward_class_token_after(ln, img, 2) if class_token else ln(img)

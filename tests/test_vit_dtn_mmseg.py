@@ -67,7 +67,8 @@ def test_layernorm_init_equals_the_stock_backbone(with_cls_token):
     stock.init_weights()
     dtn = VisionTransformerDTN(**args, **DTN, dtn_init='layernorm')
     missing = dtn.load_state_dict(stock.state_dict(), strict=False).missing_keys
-    assert sorted({k.rsplit('.', 1)[1] for k in missing}) == ['mean_gate', 'pos_coef', 'var_gate']
+    assert sorted({k.rsplit('.', 1)[1] for k in missing}) == [
+        'mean_gate_distance', 'pos_coef', 'var_gate_distance']
     assert [type(layer.ln1) is DynamicTokenNorm for layer in dtn.layers] == \
         [True, True, False]
     img = torch.randn(2, 3, 48, 40)  # not the training size: position embeddings interpolated

@@ -1,10 +1,12 @@
 # Weight decay of Dynamic Token Normalization's own parameters, shared by every DTN config.
 #
-# DTN's mixing gates (`mean_gate`, `var_gate`, the logits of lambda in Eq. 5) and its positional
-# coefficients (`pos_coef`, the a^h of Eq. 6) get no weight decay: decaying them would pull lambda
-# towards 0.5 and the positional softmax towards uniform attention, i.e. towards a fixed normaliser
-# instead of a learnt one. The keys are mmdtn.models.layers.DTN_ONLY_PARAMETERS (a config cannot
-# import it; tests/test_configs.py pins the two together). DTN's affine `weight` and `bias` are
+# DTN's mixing gates (`mean_gate`, `var_gate`, the logits of lambda in Eq. 5, or with
+# dtn_init='layernorm' `mean_gate_distance`, `var_gate_distance`, their distances from LayerNorm)
+# and its positional coefficients (`pos_coef`, the a^h of Eq. 6) get no weight decay: decaying them
+# would pull lambda towards 0.5 (or 1) and the positional softmax towards uniform attention, i.e.
+# towards a fixed normaliser instead of a learnt one. The keys are
+# mmdtn.models.layers.DTN_ONLY_PARAMETERS (a config cannot import it; tests/test_configs.py pins
+# the two together). DTN's affine `weight` and `bias` are
 # treated as the LayerNorm they replace in the LN twin:
 #   - PVT / PVTv2 (mmdet's PVT recipe has no paramwise_cfg): they are decayed, like the twin's LN;
 #   - Swin (mmdet's and mmseg's Swin recipes set `norm` -> decay_mult=0): the stock key is kept, and
@@ -14,4 +16,6 @@
 dtn_no_decay_keys = dict(
     mean_gate=dict(decay_mult=0.),
     var_gate=dict(decay_mult=0.),
+    mean_gate_distance=dict(decay_mult=0.),
+    var_gate_distance=dict(decay_mult=0.),
     pos_coef=dict(decay_mult=0.))

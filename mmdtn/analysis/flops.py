@@ -63,8 +63,8 @@ def sdpa_flop_handle(inputs, outputs):
 
 
 def _dtn_param_count(model):
-    return sum(getattr(m, name).numel() for _, m in dtn_layers(model)
-               for name in DTN_ONLY_PARAMETERS)
+    return sum(p.numel() for _, m in dtn_layers(model) for name, p in m.named_parameters()
+               if name in DTN_ONLY_PARAMETERS)
 
 
 def _layer_flops(layer, dense=False):

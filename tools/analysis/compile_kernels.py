@@ -34,8 +34,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import mmdtn  # noqa: E402,F401
 from mmdtn import DynamicTokenNorm  # noqa: E402
-from mmdtn.models.layers.dtn.backends.triton_kernels import (TOKEN_POINTERS,  # noqa: E402
-                                                             specializations)
+from mmdtn.models.layers.dtn.backends.triton_kernels import (  # noqa: E402
+    INDEX_POINTERS, TOKEN_POINTERS, specializations)
 
 MODELS = {
     'pvt_tiny': ('PyramidVisionTransformerDTN', dict(num_layers=[2, 2, 2, 2])),
@@ -80,6 +80,8 @@ def signature(kernel, constexprs, dtype):
     for name in kernel.arg_names:
         if name in constexprs:
             sig[name] = 'constexpr'
+        elif name in INDEX_POINTERS:
+            sig[name] = '*i32'
         elif name.endswith('_ptr'):
             sig[name] = '*' + (DTYPES[dtype] if name in TOKEN_POINTERS else 'fp32')
         else:

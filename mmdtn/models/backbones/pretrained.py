@@ -318,10 +318,12 @@ def load_state_dict_checked(model: nn.Module, state_dict: Mapping, logger=None,
             named with both shapes), or, with ``strict``, if any key is missing or unused.
     """
     model_state = model.state_dict()
+    state_dict = dict(state_dict)
     dtn_keys, dpn_keys = set(), set()
     for name, module in model.named_modules():
         prefix = name + '.' if name else ''
         if isinstance(module, DynamicTokenNorm):
+            module.adapt_gates(state_dict, prefix)  # gates saved by a layer of the other init
             dtn_keys.update(prefix + p for p in DTN_ONLY_PARAMETERS)
         elif isinstance(module, PatchNormConv2d):
             dpn_keys.update(prefix + 'patch_norm.' + k for k in module.patch_norm.state_dict())

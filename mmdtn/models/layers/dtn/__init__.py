@@ -10,8 +10,10 @@
 Imports with torch alone; mmdet and mmseg find the layer once ``mmdtn`` is imported.
 """
 from .backends import available_backends, get_dtn_backend, set_dtn_backend
-from .module import DTN_INITS, LAYERNORM_GATE_LOGIT, DynamicTokenNorm
+from .module import (DTN_INITS, DTN_ONLY_PARAMETERS, GATE_PARAMETERS, LAYERNORM_GATE_LOGIT,
+                     DynamicTokenNorm)
 from .positional import neighbourhood_offsets
 
-__all__ = ['DynamicTokenNorm', 'LAYERNORM_GATE_LOGIT', 'DTN_INITS', 'neighbourhood_offsets',
+__all__ = ['DynamicTokenNorm', 'LAYERNORM_GATE_LOGIT', 'DTN_INITS', 'DTN_ONLY_PARAMETERS',
+           'GATE_PARAMETERS', 'neighbourhood_offsets',
            'set_dtn_backend', 'get_dtn_backend', 'available_backends']

@@ -11,19 +11,30 @@ from .function import inter_token_statistics, no_autocast
 from .grid import TokenGrid
 from .positional import axis_factors, paper_coefficients, positional_matrix
 
-__all__ = ['DynamicTokenNorm', 'LAYERNORM_GATE_LOGIT', 'DTN_INITS']
+__all__ = ['DynamicTokenNorm', 'LAYERNORM_GATE_LOGIT', 'DTN_INITS', 'GATE_PARAMETERS',
+           'DTN_ONLY_PARAMETERS']
 
-#: Largest gate logit written to a state dict, and the one that stands for lambda = 1 there:
+#: Largest gate logit a distance from LayerNorm converts to, the one that stands for lambda = 1:
 #: 1 - sigmoid(40) = 4e-18, so that a layer loaded with it equals LayerNorm to < 1e-5 even for tokens
 #: far quieter than their neighbours (the output differs by about (1 - lambda) * var_it / var_ln).
-#: A gate of ``init='layernorm'`` at LayerNorm (lambda = 1 exactly) is saved as this logit.
+#: A gate of ``init='layernorm'`` at LayerNorm (lambda = 1 exactly) loads as this logit into a
+#: layer of ``init='paper'``.
 LAYERNORM_GATE_LOGIT = 40.0
 
 #: The initialisations of DynamicTokenNorm (its ``init`` argument).
 DTN_INITS = ('paper', 'layernorm')
 
-#: The gate parameters, whose meaning ``init='layernorm'`` changes (see :class:`DynamicTokenNorm`).
-_GATES = ('mean_gate', 'var_gate')
+#: The gate parameters (mean, variance; Eq. 5) of each ``init``: the logits of lambda, or the
+#: distances u from LayerNorm with 1 - lambda = tanh|u| (see :class:`DynamicTokenNorm`).
+GATE_PARAMETERS = {
+    'paper': ('mean_gate', 'var_gate'),
+    'layernorm': ('mean_gate_distance', 'var_gate_distance'),
+}
+
+#: Parameters of DynamicTokenNorm that the LayerNorm it replaces does not have: the gates of either
+#: ``init`` and the positional coefficients a^h (Eq. 6). An LN checkpoint lacks them, and the
+#: configs give them no weight decay (configs/_base_/dtn_no_decay.py, pinned by a test).
+DTN_ONLY_PARAMETERS = GATE_PARAMETERS['paper'] + GATE_PARAMETERS['layernorm'] + ('pos_coef', )
 
 
 def _share_of_distance(distance):
@@ -79,7 +90,8 @@ class DynamicTokenNorm(nn.Module):
         float32 (float64 for float64 inputs or parameters), also under autocast.
 
     Parameters: ``weight``, ``bias`` (C,); ``mean_gate``, ``var_gate`` (num_heads,) logits of the
-    mean and variance weight ratios lambda; ``pos_coef`` (num_heads, 3), the a^h of Eq. 6.
+    mean and variance weight ratios lambda (``init='layernorm'``: ``mean_gate_distance``,
+    ``var_gate_distance``, see below); ``pos_coef`` (num_heads, 3), the a^h of Eq. 6.
 
     Starting from LayerNorm (``init='layernorm'``): LayerNorm is lambda = 1, which a logit reaches
     only at infinity, where its gradient lambda (1 - lambda) vanishes; near it an optimiser moves
@@ -89,10 +101,11 @@ class DynamicTokenNorm(nn.Module):
     u is that of 1 - lambda (undamped), and an AdamW step of learning rate lr changes 1 - lambda
     by about lr. The cost: the gates learn in another coordinate than the paper's (their
     dynamics differ from ``init='paper'``'s), and a head whose loss prefers LayerNorm hovers
-    within a few lr of it (|u| has a kink at 0) instead of settling there. The live
-    ``mean_gate``/``var_gate`` of such a layer hold u; its ``state_dict()`` holds the logits
-    (clipped to +-:data:`LAYERNORM_GATE_LOGIT`) and ``load_state_dict`` takes logits, so that
-    checkpoints mean the same for both initialisations (u comes back as |u|).
+    within a few lr of it (|u| has a kink at 0) instead of settling there. Such a layer's gates
+    are the parameters ``mean_gate_distance``/``var_gate_distance`` (u), saved under these names
+    like any parameter (so that EMA models, which average ``state_dict()`` values, average them).
+    ``load_state_dict`` converts gates saved by a layer of the other ``init`` (logits <-> u, see
+    :meth:`adapt_gates`), so that weights trained with either load into either.
     """
 
     _abbr_ = 'dtn'
@@ -120,19 +133,20 @@ class DynamicTokenNorm(nn.Module):
         self.convention = REFERENCE_CONVENTION if reference_compat else PAPER_CONVENTION
         self.weight = nn.Parameter(torch.empty(num_features))
         self.bias = nn.Parameter(torch.empty(num_features))
-        self.mean_gate = nn.Parameter(torch.empty(num_heads))
-        self.var_gate = nn.Parameter(torch.empty(num_heads))
+        self.gate_names = GATE_PARAMETERS[init]
+        for name in self.gate_names:
+            self.register_parameter(name, nn.Parameter(torch.empty(num_heads)))
         self.pos_coef = nn.Parameter(torch.empty(num_heads, 3))
         self.reset_parameters()
 
     def reset_parameters(self):
         """Affine to identity, a^h by Eq. 7, gates by ``self.init`` (Algorithm 1, line 2): 0, which
-        is lambda = 0.5 for ``'paper'`` (a logit) and lambda = 1 for ``'layernorm'`` (a distance)."""
+        is lambda = 0.5 for ``'paper'`` (a logit), lambda = 1 for ``'layernorm'`` (a distance)."""
         with torch.no_grad():
             self.weight.fill_(1.0)
             self.bias.zero_()
-            self.mean_gate.zero_()
-            self.var_gate.zero_()
+            for gate in self.gates:
+                gate.zero_()
             self.pos_coef.copy_(paper_coefficients(self.num_heads, torch.float64))
 
     def extra_repr(self):
@@ -141,14 +155,25 @@ class DynamicTokenNorm(nn.Module):
 
     # ------------------------------------------------------------------ analysis helpers
     @property
+    def gates(self):
+        """The gate parameters (mean, variance): logits, or distances from LayerNorm."""
+        return tuple(getattr(self, name) for name in self.gate_names)
+
+    def gate_logits(self):
+        """The logits of (lambda_m, lambda_v), shape (num_heads,) each, whatever ``init``."""
+        if self.init == 'layernorm':
+            return tuple(_distance_to_logit(gate) for gate in self.gates)
+        return self.gates
+
+    @property
     def mean_lambda(self):
         """Weight ratio of the intra-token mean lambda_m, shape (num_heads,)."""
-        return self._lambda(self.mean_gate)
+        return self._lambda(self.gates[0])
 
     @property
     def var_lambda(self):
         """Weight ratio of the intra-token variance lambda_v, shape (num_heads,)."""
-        return self._lambda(self.var_gate)
+        return self._lambda(self.gates[1])
 
     def pooled_shape(self, hw_shape):
         """Shape (ceil(H/s), ceil(W/s)) of the grid the inter-token statistics are computed on."""
@@ -257,25 +282,26 @@ class DynamicTokenNorm(nn.Module):
         lambda = 1."""
         d = self.num_features // self.num_heads
         if self.init == 'layernorm':
-            shares = _share_of_distance(torch.stack([self.mean_gate, self.var_gate]).to(dtype))
+            shares = _share_of_distance(torch.stack(self.gates).to(dtype))
             ratios = torch.stack([1 - shares[0], shares[0], 1 - shares[1], shares[1]])
         else:
-            gates = torch.stack([self.mean_gate, -self.mean_gate, self.var_gate, -self.var_gate])
+            mean_gate, var_gate = self.gates
+            gates = torch.stack([mean_gate, -mean_gate, var_gate, -var_gate])
             ratios = torch.sigmoid(gates.to(dtype))
         return ratios.repeat_interleave(d, dim=1)
 
-    # ------------------------------------------------------------------ checkpoints: gate logits
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        """The gates are saved as logits whatever ``init`` (see the class docstring)."""
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.init == 'layernorm':
-            for name in _GATES:
-                destination[prefix + name] = _distance_to_logit(destination[prefix + name].detach())
+    # ------------------------------------------------------------------ checkpoints: gates
+    def adapt_gates(self, state_dict, prefix=''):
+        """Gates in ``state_dict`` saved by a layer of the other ``init`` become this layer's:
+        renamed and converted (logit <-> distance u from LayerNorm; u comes back as |u|), in place.
+
+        Called by ``load_state_dict``; loaders that compare keys before loading call it first."""
+        other = 'paper' if self.init == 'layernorm' else 'layernorm'
+        convert = _logit_to_distance if self.init == 'layernorm' else _distance_to_logit
+        for theirs, mine in zip(GATE_PARAMETERS[other], self.gate_names):
+            if prefix + mine not in state_dict and torch.is_tensor(state_dict.get(prefix + theirs)):
+                state_dict[prefix + mine] = convert(state_dict.pop(prefix + theirs))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """Gate logits are loaded as distances from LayerNorm with ``init='layernorm'``."""
-        if self.init == 'layernorm':
-            for key in (prefix + name for name in _GATES):
-                if torch.is_tensor(state_dict.get(key)):
-                    state_dict[key] = _logit_to_distance(state_dict[key])
+        self.adapt_gates(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

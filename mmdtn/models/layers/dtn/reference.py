@@ -118,5 +118,5 @@ class DenseDynamicTokenNorm(torch.nn.Module):
 
     def forward(self, x, hw_shape):
         n = self.norm
-        return dense_dtn(x, hw_shape, n.weight, n.bias, n.mean_gate, n.var_gate, n.pos_coef,
+        return dense_dtn(x, hw_shape, n.weight, n.bias, *n.gate_logits(), n.pos_coef,
                          n.pool_size, n.eps, n.convention)[0]

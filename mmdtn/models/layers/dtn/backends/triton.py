@@ -4,10 +4,10 @@ Supports CUDA tensors in float16, bfloat16 and float32 (read as they are; statis
 the output in x's dtype), any H x W, any channel count and pooling, both statistics conventions;
 ``auto`` takes it for CUDA tensors. Not float64: the kernels compute in float32, and float64 runs
 on the ``torch`` backend. Needs ``triton``, which comes with PyTorch's CUDA builds; with
-``TRITON_INTERPRET=1`` the kernels also run, slowly, on CPU tensors (for tests). The positional
-products of the cells run as batched matrix products (PyTorch); without pooling the cells are the
-tokens, and these products and their results (four float32 values per token and channel) cost
-several times the traffic of the fused passes.
+``TRITON_INTERPRET=1`` the kernels also run, slowly, on CPU tensors (for tests). With pooling
+the positional products of the cells run as batched matrix products (PyTorch) between the
+kernels; without pooling, where the cells are the tokens, they are fused into the kernels over
+the nonzero bands of P_y and P_x (see :mod:`.triton_kernels`).
 
 The kernels run inside the ``torch.library`` custom ops ``mmdtn::dtn_triton_forward`` and
 ``mmdtn::dtn_triton_backward``, which ``torch.compile`` and ``torch.export`` record as single
@@ -64,7 +64,7 @@ class TritonBackend(Backend):
         mean_ln, var_ln, cells = kernels.statistics(x, grid, n_var)
         if not grid.pooled:  # cells: per-image channel sums of the programs
             centre = (cells.sum(1) / grid.N).view(grid.B, 1, 1, grid.C)
-            return TokenStatistics(mean_ln, var_ln, centre, grid.cell_means(x).float(), None)
+            return TokenStatistics(mean_ln, var_ln, centre, grid.cell_means(x), None)  # a view
         cell_mean, cell_m2 = cells
         centre = cell_mean.mean(dim=(1, 2), keepdim=True)
         cell_second = None
@@ -98,3 +98,17 @@ class TritonBackend(Backend):
             g, x, saved.mean_ln, saved.var_ln, first, second, saved.centre, ratios.contiguous(),
             weight.contiguous(), eps, n_var, grid.from_column_major(d_first),
             None if d_second is None else grid.from_column_major(d_second), grid)
+
+    def fuses_products(self, x, grid, p_x):
+        return not grid.pooled
+
+    def fused_output(self, x, stats, p_y, p_x, ratios, weight, bias, eps, grid):
+        return kernels.fused_output(x, stats.mean_ln, stats.var_ln, stats.centre.contiguous(),
+                                    p_y.detach().contiguous(), p_x.detach().contiguous(),
+                                    ratios.contiguous(), weight.contiguous(), bias.contiguous(),
+                                    eps, grid)
+
+    def fused_backward(self, g, x, saved, p_y, p_x, ratios, weight, eps, n_var, grid):
+        return kernels.fused_backward(g, x, saved.mean_ln, saved.var_ln, saved.centre.contiguous(),
+                                      p_y.detach().contiguous(), p_x.detach().contiguous(),
+                                      ratios.contiguous(), weight.contiguous(), eps, n_var, grid)
