@@ -206,8 +206,7 @@ def moments(stats, grid):
 def row_products(T, factor_x):
     """u = P_x^h T along every row of cells, head-major (heads, 2, B, Hp, Wp, d)."""
     heads, Wp = T.shape[:2]
-    u = factor_x.matmul(T.view(heads, Wp, -1)).view(T.shape)
-    return u.permute(0, 2, 3, 4, 1, 5).contiguous()
+    return factor_x.matmul(T.view(heads, Wp, -1), layout=(T.shape, (0, 2, 3, 4, 1, 5)))
 
 
 def positional_products(T, factor_y, factor_x, grid):
@@ -230,8 +229,9 @@ def rows_backward(dm, u, factor_y, grid):
     dm_rows = dm.view(-1, Hp, Wp * d)
     grad_p_y = factor_y.outer(dm_rows, u.view(-1, Hp, Wp * d)).view(heads, 2 * B, Hp, Hp).sum(1)
     del u
-    du = factor_y.matmul(dm_rows, transpose=True).view(heads, 2, B, Hp, Wp, d)
-    return grad_p_y, du.permute(0, 4, 1, 2, 3, 5).contiguous().view(heads, Wp, -1)
+    du = factor_y.matmul(dm_rows, transpose=True,
+                         layout=((heads, 2, B, Hp, Wp, d), (0, 4, 1, 2, 3, 5)))
+    return grad_p_y, du.view(heads, Wp, -1)
 
 
 def columns_backward(du, T, factor_x, grid):
@@ -366,10 +366,15 @@ def define_custom_ops(backend, name):
         x, p_y, p_x, ratios, weight, _, *options = inputs
         ctx.save_for_backward(x, p_y, p_x, ratios, weight, *output[1:])
         ctx.options = options
-        ctx.set_materialize_grads(False)  # no zeros for the saved outputs, which have no gradient
+        # the saved statistics are outputs for save_for_backward only: no gradients flow into
+        # them, and none are filled with zeros for the backward pass
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)
 
     def differentiate(ctx, grads):
         x, p_y, p_x, ratios, weight, *saved = ctx.saved_tensors
+        if grads[0] is None:  # y takes no part in the loss
+            return (None, ) * (6 + len(ctx.options))
         grad = grads[0].to(x.dtype).contiguous()
         result = backward(grad, x, p_y, p_x, ratios, weight, *saved, *ctx.options)
         return (*result, *([None] * len(ctx.options)))

@@ -14,6 +14,7 @@ so that the factors are band matrices whose zeros the kernels may skip.
 """
 import math
 
+import numpy as np
 import torch
 
 __all__ = ['neighbourhood_offsets', 'paper_coefficients', 'relative_offsets', 'truncated_softmax',
@@ -69,9 +70,34 @@ def truncated_softmax(logits):
     slow matrix products on CPUs down by 2x and more; zeros cost nothing, and banded kernels skip
     them. With the paper's initialisation (logits -(k - D)^2 at distance k) this keeps 11 weights
     per row in float32 and 15 in float64, on any grid."""
+    return _truncated_softmax(logits, serial=False)
+
+
+def _truncated_softmax(logits, serial):
+    """truncated_softmax; with ``serial`` by :class:`_SerialSoftmax`."""
     cutoff = math.log(torch.finfo(logits.dtype).eps) - CUTOFF_MARGIN_BITS * math.log(2.0)
     shifted = logits - logits.detach().amax(dim=-1, keepdim=True)
-    return torch.softmax(shifted.masked_fill(shifted < cutoff, -math.inf), dim=-1)
+    kept = shifted.masked_fill(shifted < cutoff, -math.inf)
+    return _SerialSoftmax.apply(kept) if serial else torch.softmax(kept, dim=-1)
+
+
+class _SerialSoftmax(torch.autograd.Function):
+    """Row softmax of small CPU logits whose row maximum is 0, on the calling thread: PyTorch's
+    softmax and exp split even a few thousand elements over threads, NumPy's exp does not, and
+    the row sums and the backward pass are element-wise operations and reductions that PyTorch
+    runs on one thread below :data:`SERIAL_ELEMENTS`."""
+
+    @staticmethod
+    def forward(ctx, logits):
+        weights = torch.from_numpy(np.exp(logits.detach().numpy()))
+        p = weights / weights.sum(-1, keepdim=True)
+        ctx.save_for_backward(p)
+        return p
+
+    @staticmethod
+    def backward(ctx, grad):
+        p, = ctx.saved_tensors
+        return p * (grad - (p * grad).sum(-1, keepdim=True))
 
 
 def axis_factors(pos_coef, rows, cols):
@@ -87,8 +113,26 @@ def axis_factors(pos_coef, rows, cols):
     a1, a2, a3 = (c[:, None, None] for c in pos_coef.unbind(1))
     dx = relative_offsets(cols, pos_coef.device, pos_coef.dtype)
     dy = relative_offsets(rows, pos_coef.device, pos_coef.dtype)
-    return (truncated_softmax(a1 * dy.square() + a3 * dy),
-            truncated_softmax(a1 * dx.square() + a2 * dx))
+    return _axis_factor(a1, a3, dy), _axis_factor(a1, a2, dx)
+
+
+#: Elements up to which PyTorch's CPU operations run on one thread (at::internal::GRAIN_SIZE).
+SERIAL_ELEMENTS = 32768
+
+
+def _axis_factor(square, linear, offsets):
+    """truncated_softmax(square d^2 + linear d) for the per-head coefficients (heads, 1, 1) and the
+    offsets d (L, L). Eager on CPUs a few heads at a time, every operation small enough to run on
+    one thread: a factor is a few thousand elements per head, and a parallel region per operation
+    would cost more than the operation, the more so on a busy machine."""
+    heads, L = square.shape[0], offsets.shape[-1]
+    if (square.device.type != 'cpu' or L * L > SERIAL_ELEMENTS or torch.compiler.is_compiling()
+            or torch.jit.is_tracing()):
+        return truncated_softmax(square * offsets.square() + linear * offsets)
+    step, d2 = SERIAL_ELEMENTS // (L * L), offsets.square()
+    factors = [_truncated_softmax(square[h:h + step] * d2 + linear[h:h + step] * offsets, True)
+               for h in range(0, heads, step)]
+    return factors[0] if len(factors) == 1 else torch.cat(factors)
 
 
 def positional_matrix(p_y, p_x):

@@ -42,7 +42,8 @@ class Backend:
 
     def factor(self, p):
         """The products with one positional factor p (heads, L, L): an object with
-        ``matmul(x, transpose=False)`` and ``outer(a, x)`` (see :class:`DenseFactor`)."""
+        ``matmul(x, transpose=False, layout=None)`` and ``outer(a, x)`` (see
+        :class:`DenseFactor`)."""
         return DenseFactor(p)
 
     def output(self, x, stats, m, ratios, weight, bias, eps, grid):
@@ -86,10 +87,12 @@ class DenseFactor:
         group = x.shape[0] // heads
         return self.p[:, None].expand(heads, group, L, L).reshape(-1, L, L)
 
-    def matmul(self, x, transpose=False):
-        """P X, or P^T X with ``transpose``."""
+    def matmul(self, x, transpose=False, layout=None):
+        """P X, or P^T X with ``transpose``; with ``layout`` = (shape, dims) the product viewed as
+        ``shape`` and permuted by ``dims``, contiguous."""
         p = self._factors(x)
-        return torch.bmm(p.transpose(1, 2) if transpose else p, x)
+        y = torch.bmm(p.transpose(1, 2) if transpose else p, x)
+        return y if layout is None else y.view(layout[0]).permute(layout[1]).contiguous()
 
     def outer(self, a, x):
         """The gradient of P for u = P x and dL/du = a, per matrix: a x^T (n, L, L)."""
@@ -134,10 +137,12 @@ def _tensor_bytes(values):
 class RecordedKernels:
     """The functions of a compiled extension module, each call recorded by
     :func:`recording_launches` with the bytes of its tensor operands: arguments read, results
-    written, and the arguments named in ``in_place`` both read and written."""
+    written, the arguments named in ``in_place`` both read and written, and those named in
+    ``out`` (destinations the function also returns) written only."""
 
-    def __init__(self, module, prefix, in_place=None):
+    def __init__(self, module, prefix, in_place=None, out=None):
         self._module, self._prefix, self._in_place = module, prefix, in_place or {}
+        self._out = out or {}
         self._functions = {}
 
     def __getattr__(self, name):
@@ -147,13 +152,15 @@ class RecordedKernels:
 
     def _recorded(self, name, fn):
         label, in_place = f'{self._prefix}.{name}', self._in_place.get(name, ())
+        destinations = self._out.get(name, ())
 
         def call(**kwargs):
             out = fn(**kwargs)
             if _records:
                 results = out if isinstance(out, (list, tuple)) else [out]
                 written = _tensor_bytes(results) + _tensor_bytes(kwargs[k] for k in in_place)
-                record_launch(label, _tensor_bytes(kwargs.values()), written)
+                read = _tensor_bytes(v for k, v in kwargs.items() if k not in destinations)
+                record_launch(label, read, written)
             return out
 
         return call

@@ -15,8 +15,7 @@ record as single operations.
 """
 import torch
 
-from ..function import TokenStatistics, define_custom_ops, ln_gradient
-from ..positional import relative_offsets
+from ..function import TokenStatistics, define_custom_ops
 from .base import Backend, DenseFactor, RecordedKernels
 
 try:  # built by setup.py
@@ -27,7 +26,7 @@ except ImportError:  # pragma: no cover - installs without a C++ compiler or MMD
 #: The C++ kernels (None where mmdtn was installed without them), each call recorded while
 #: benchmarks count launches (:func:`.base.recording_launches`).
 kernels = None if _cpu_kernels is None else RecordedKernels(
-    _cpu_kernels, 'cpu', in_place={'input_gradient': ('dx', )})
+    _cpu_kernels, 'cpu', in_place={'input_gradient': ('dx', )}, out={'band_matmul': ('out', )})
 
 __all__ = ['CpuBackend', 'BandedFactor']
 
@@ -50,14 +49,28 @@ class BandedFactor:
         L = p.shape[-1]
         if L < 2 * BAND_ROWS:
             return False
-        nonzero = (p.detach() != 0).flatten(0, -3).any(0)
-        offsets = relative_offsets(L, p.device, torch.int64)[nonzero]  # j - i
+        # in NumPy: a handful of serial passes over the small factor, where PyTorch would run
+        # several operations, each a parallel region of its own
+        rows, cols = (p.detach().reshape(-1, L, L).numpy() != 0).any(0).nonzero()
+        offsets = cols - rows  # j - i of the nonzero weights
         width = int(offsets.max()) - int(offsets.min()) + 1
         return width + BAND_ROWS - 1 <= BAND_MAX_FILL * L
 
-    def matmul(self, x, transpose=False):
-        return kernels.band_matmul(p=self.p, x=x, group=x.shape[0] // self.p.shape[0],
-                                   transpose=transpose)
+    def matmul(self, x, transpose=False, layout=None):
+        group = x.shape[0] // self.p.shape[0]
+        if layout is None:
+            return kernels.band_matmul(p=self.p, x=x, group=group, transpose=transpose)
+        # the kernel writes the product straight into the permuted layout
+        shape, dims = layout
+        out = x.new_empty([shape[d] for d in dims])
+        lead, matrices = 0, 1  # the leading dims of ``shape`` that index the matrices
+        while matrices < x.shape[0] or shape[lead] == 1:
+            matrices *= shape[lead]
+            lead += 1
+        inverse = sorted(range(len(dims)), key=dims.__getitem__)
+        kernels.band_matmul(p=self.p, x=x, group=group, transpose=transpose,
+                            out=out.permute(inverse), lead=lead)
+        return out
 
     def outer(self, a, x):
         return kernels.band_outer(p=self.p, a=a, x=x, group=x.shape[0] // self.p.shape[0])
@@ -121,10 +134,10 @@ class CpuBackend(Backend):
 
     def input_gradient(self, tokens, g, x, saved, m, ratios, weight, eps, n_var, d_first,
                        d_second, grid):
-        d1, tok1, tok2 = tokens
-        beta, alpha = ln_gradient(tok1, tok2, saved.mean_ln, grid.C, n_var)
+        d1, tok1, tok2 = tokens  # the kernel forms beta and alpha of ln_gradient per token
         kernels.input_gradient(
-            dx=d1, x=x, beta=beta, alpha=alpha, d_first=grid.from_column_major(d_first),
+            dx=d1, x=x, tok1=tok1, tok2=tok2, mean_ln=saved.mean_ln, n_var=float(n_var),
+            d_first=grid.from_column_major(d_first),
             d_second=None if d_second is None else grid.from_column_major(d_second),
             centre=saved.centre, **self._geometry(grid))
         return d1

@@ -1,7 +1,8 @@
 // Banded products with the positional factors P_x and P_y (Eq. 6) on CPUs: P X, P^T X and the
 // gradient of P, over the nonzero span of every row of P. P is (nP, L, L) contiguous; matrix k of
-// the batch uses P[k / group]. X, Y and A are contiguous (n, L, N). Both kernels work on kRows
-// rows of P at a time over the union of their spans, with the accumulators in vector registers.
+// the batch uses P[k / group]. X and A are contiguous (n, L, N); Y is written in the layout of its
+// destination. Both kernels work on kRows rows of P at a time over the union of their spans, with
+// the accumulators in vector registers.
 #include "band.h"
 #include "common.h"
 #include "isa.h"
@@ -10,20 +11,25 @@
 
 namespace mmdtn::cpu::MMDTN_ISA {
 
-// Y[k, i] = sum_j P[i, j] X[k, j] (P[j, i] with ``transpose``) over the nonzero span of row i.
+// Y[k, i] = sum_j P[i, j] X[k, j] (P[j, i] with ``transpose``) over the nonzero span of row i,
+// written where ``out`` says (see BandDestination).
 template <typename T>
-void band_matmul_impl(const T* P, const T* X, T* Y, int64_t n, int64_t group, int64_t L,
-                      int64_t N, bool transpose) {
+void band_matmul_impl(const T* P, const T* X, const BandDestination& out, int64_t n, int64_t group,
+                      int64_t L, int64_t N, bool transpose) {
   constexpr int64_t V = sizeof(Vec<T>) / sizeof(T);
   constexpr int64_t kTile = 4 * V;
-  const int64_t blocks = (L + kRows - 1) / kRows;
+  const int64_t blocks = (L + kRows - 1) / kRows, width = out.width;
+  const bool whole = width % V == 0;  // every vector of a row lies in one chunk
+  T* Y = out.out.data_ptr<T>();
+  const int64_t* chunk = out.chunk.data();
+  auto column = [&](int64_t c) { return chunk[c / width] + c % width; };
   at::parallel_for(0, n * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> w;
     for (int64_t r = begin; r < end; ++r) {
       const int64_t k = r / blocks, i0 = (r % blocks) * kRows, rows = std::min(kRows, L - i0);
       const auto [j0, j1] = row_block(P + (k / group) * L * L, i0, rows, L, transpose, w);
       const T* x = X + k * L * N;
-      T* y = Y + (k * L + i0) * N;
+      T* y = Y + out.matrix[k] + i0 * out.row;
       int64_t c0 = 0;
       for (; c0 + kTile <= N; c0 += kTile) {
         Vec<T> acc[kRows][4] = {};
@@ -44,13 +50,22 @@ void band_matmul_impl(const T* P, const T* X, T* Y, int64_t n, int64_t group, in
           }
         }
         for (int64_t q = 0; q < rows; ++q)
-          for (int64_t v = 0; v < 4; ++v) store<T>(y + q * N + c0 + v * V, acc[q][v]);
+          for (int64_t v = 0; v < 4; ++v) {
+            const int64_t c = c0 + v * V;
+            if (whole) {
+              store<T>(y + q * out.row + column(c), acc[q][v]);
+            } else {
+              T lanes[V];
+              store<T>(lanes, acc[q][v]);
+              for (int64_t e = 0; e < V; ++e) y[q * out.row + column(c + e)] = lanes[e];
+            }
+          }
       }
       for (int64_t q = 0; q < rows; ++q)
         for (int64_t c = c0; c < N; ++c) {
           T total = 0;
           for (int64_t j = j0; j < j1; ++j) total += w[(j - j0) * kRows + q] * x[j * N + c];
-          y[q * N + c] = total;
+          y[q * out.row + column(c)] = total;
         }
     }
   });
@@ -105,11 +120,10 @@ void band_outer_impl(const T* P, const T* A, const T* X, T* G, int64_t n, int64_
 
 namespace {
 
-void matmul(const BandOperands& o, bool transpose, Tensor& out) {
+void matmul(const BandOperands& o, bool transpose, const BandDestination& out) {
   AT_DISPATCH_FLOATING_TYPES(o.x.scalar_type(), "dtn_band_matmul", [&] {
-    band_matmul_impl<scalar_t>(o.p.data_ptr<scalar_t>(), o.x.data_ptr<scalar_t>(),
-                               out.data_ptr<scalar_t>(), o.x.size(0), o.group, o.x.size(1),
-                               o.x.size(2), transpose);
+    band_matmul_impl<scalar_t>(o.p.data_ptr<scalar_t>(), o.x.data_ptr<scalar_t>(), out,
+                               o.x.size(0), o.group, o.x.size(1), o.x.size(2), transpose);
   });
 }
 

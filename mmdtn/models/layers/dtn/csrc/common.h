@@ -85,10 +85,13 @@ struct TokenGradientOperands {
   const Tensor &dm_first, &dm_second;
 };
 
-// dx += x beta + alpha + (dT_0 + 2 (x - centre) dT_1) / n; d_second may be absent.
+// dx += x beta + alpha + (dT_0 + 2 (x - centre) dT_1) / n, with beta and alpha per token from the
+// sums tok1 and tok2 of the first pass (the gradient of Eq. 2); d_second may be absent.
 struct InputGradientOperands {
   Tensor& dx;
-  const Tensor &x, &beta, &alpha, &d_first;
+  const Tensor &x, &tok1, &tok2, &mean_ln;
+  double n_var;
+  const Tensor& d_first;
   const Tensor* d_second;
   const Tensor& centre;
 };
@@ -98,6 +101,15 @@ struct InputGradientOperands {
 struct BandOperands {
   const Tensor &p, &x;
   int64_t group;
+};
+
+// Where band_matmul writes Y[k, i, c] of its product (n, L, N): at out + matrix[k] + i * row +
+// chunk[c / width] + c % width, with ``width`` the contiguous last dimension of ``out``, so that
+// the product lands in any permuted layout without a second pass.
+struct BandDestination {
+  const Tensor& out;
+  std::vector<int64_t> matrix, chunk;
+  int64_t row, width;
 };
 
 // The fused passes without pooling (the positional products included).

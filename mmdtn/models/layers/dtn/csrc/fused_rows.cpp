@@ -394,6 +394,7 @@ void tokens_backward_impl(const FusedRowOperands& t, const Tensor& grad, double 
       const T* py = o.py + h * H * H;
       T* gy = pgy + k * H * H;
       T *tok1 = ptok + k * N, *tok2 = tok1 + tasks * N;
+      std::fill(gy, gy + H * H, T(0));  // row_dots writes the nonzero spans only
       std::fill(s.begin(), s.end(), T(0));
       std::fill(acc, acc + acc_size, T(0));
       int64_t next_u = 0, next_k = 0;
@@ -441,6 +442,7 @@ void tokens_backward_impl(const FusedRowOperands& t, const Tensor& grad, double 
       for (; next_k < H; ++next_k) du_row(next_k);
       // the gradient of P_x from the lane-wise accumulators, within the rows' spans
       T* gx = pgx + k * W * W;
+      std::fill(gx, gx + W * W, T(0));
       for (int64_t a = 0; a < W; ++a) {
         const auto [j0, j1] = o.bx.row[h * W + a];
         const int64_t b0 = o.bx.block[h * o.bx.blocks + a / kRows].first;

@@ -17,9 +17,10 @@ struct TokenPassKernels {
   void (*input_gradient)(const InputGradientOperands&, const Grid&);
 };
 
-// Banded products with a positional factor: P X (or P^T X) into ``out``, and the gradient of P.
+// Banded products with a positional factor: P X (or P^T X) into ``out`` (in its layout), and
+// the gradient of P.
 struct BandKernels {
-  void (*matmul)(const BandOperands&, bool transpose, Tensor& out);
+  void (*matmul)(const BandOperands&, bool transpose, const BandDestination& out);
   void (*outer)(const BandOperands&, const Tensor& a, Tensor& out);
 };
 

@@ -111,17 +111,22 @@ std::vector<Tensor> token_gradients(const Tensor& grad, const Tensor& x, const T
   return {dx, tok1, tok2, sums.sum(0)};
 }
 
-void input_gradient(Tensor& dx, const Tensor& x, const Tensor& beta, const Tensor& alpha,
-                    const Tensor& d_first, const c10::optional<Tensor>& d_second,
-                    const Tensor& centre, int64_t H, int64_t W, int64_t pool,
-                    int64_t num_heads) {
+void input_gradient(Tensor& dx, const Tensor& x, const Tensor& tok1, const Tensor& tok2,
+                    const Tensor& mean_ln, double n_var, const Tensor& d_first,
+                    const c10::optional<Tensor>& d_second, const Tensor& centre, int64_t H,
+                    int64_t W, int64_t pool, int64_t num_heads) {
   const Grid g(x, H, W, pool, num_heads);
   check_tokens(x, g);
   TORCH_CHECK(dx.sizes() == x.sizes() && dx.is_contiguous(), "dx: expected x's shape");
+  for (const auto* t : {&tok1, &tok2, &mean_ln})
+    TORCH_CHECK(t->is_contiguous() && t->numel() == g.B * H * W,
+                "tok1, tok2, mean_ln: expected contiguous (B, N, 1) tensors");
   check_cell_view(d_first, g, "d_first");
   if (d_second) check_cell_view(*d_second, g, "d_second");
   KERNELS(token_passes)
-      .input_gradient({dx, x, beta, alpha, d_first, d_second ? &*d_second : nullptr, centre}, g);
+      .input_gradient({dx, x, tok1, tok2, mean_ln, n_var, d_first,
+                       d_second ? &*d_second : nullptr, centre},
+                      g);
 }
 
 void check_band(const BandOperands& o) {
@@ -134,12 +139,40 @@ void check_band(const BandOperands& o) {
               "X: expected a contiguous (nP * group, L, N) tensor of P's dtype");
 }
 
-Tensor band_matmul(const Tensor& p, const Tensor& x, int64_t group, bool transpose) {
+// The offsets of every index of dims [from, to) of t, in row-major order.
+std::vector<int64_t> index_offsets(const Tensor& t, int64_t from, int64_t to) {
+  std::vector<int64_t> offsets{0};
+  for (int64_t dim = from; dim < to; ++dim) {
+    std::vector<int64_t> next;
+    next.reserve(offsets.size() * t.size(dim));
+    for (const int64_t base : offsets)
+      for (int64_t i = 0; i < t.size(dim); ++i) next.push_back(base + i * t.stride(dim));
+    offsets = std::move(next);
+  }
+  return offsets;
+}
+
+// P X (or P^T X) into ``out`` if given, else into a new (n, L, N) tensor. ``out``: any strided
+// view whose dims [0, lead) index the matrices, dim ``lead`` the rows and the remaining dims the
+// columns, the last one contiguous (e.g. a permutation of a new tensor: the product lands in it
+// in that layout).
+Tensor band_matmul(const Tensor& p, const Tensor& x, int64_t group, bool transpose,
+                   const c10::optional<Tensor>& out, int64_t lead) {
   const BandOperands o{p, x, group};
   check_band(o);
-  auto out = torch::empty_like(x);
-  KERNELS(band_products).matmul(o, transpose, out);
-  return out;
+  const Tensor y = out ? *out : torch::empty_like(x);
+  if (!out) lead = 1;
+  const int64_t n = x.size(0), L = x.size(1);
+  TORCH_CHECK(lead >= 1 && y.dim() >= lead + 2 && y.scalar_type() == x.scalar_type() &&
+                  y.stride(-1) == 1 && y.size(lead) == L &&
+                  y.numel() == x.numel() && c10::multiply_integers(y.sizes().slice(0, lead)) == n,
+              "out: expected a view of X's dtype and size with (n) matrices in its first ", lead,
+              " dims, then the L rows, then the N columns, the last dim contiguous");
+  const BandDestination destination{y, index_offsets(y, 0, lead),
+                                    index_offsets(y, lead + 1, y.dim() - 1), y.stride(lead),
+                                    y.size(-1)};
+  KERNELS(band_products).matmul(o, transpose, destination);
+  return y;
 }
 
 Tensor band_outer(const Tensor& p, const Tensor& a, const Tensor& x, int64_t group) {
@@ -204,11 +237,13 @@ std::vector<Tensor> fused_backward(const Tensor& grad, const Tensor& x, const Te
   check_fused(o, g);
   TORCH_CHECK(grad.sizes() == x.sizes() && grad.is_contiguous(), "grad: expected x's shape");
   auto dx = torch::empty_like(x);
-  auto g_y = torch::zeros({g.B, g.nh, parts, H, H}, x.options());
-  auto g_x = torch::zeros({g.B, g.nh, parts, W, W}, x.options());
+  auto g_y = x.new_empty({g.B, g.nh, parts, H, H});  // every task writes its own in full
+  auto g_x = x.new_empty({g.B, g.nh, parts, W, W});
   auto sums = x.new_empty({g.B, 6, g.C});
   auto tok = x.new_empty({2, g.B * g.nh * parts, H * W});
   KERNELS(fused_rows).backward(o, g, grad, n_var, dx, g_y, g_x, sums, tok);
+  if (g.B * parts == 1)  // one task per head: nothing to add up
+    return {dx, g_y.view({g.nh, H, H}), g_x.view({g.nh, W, W}), sums.view({6, g.C})};
   return {dx, g_y.sum({0, 2}), g_x.sum({0, 2}), sums.sum(0)};
 }
 
@@ -231,10 +266,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("centre"), arg("ratios"), arg("weight"), arg("eps"), arg("dm_first"),
         arg("dm_second"), arg("H"), arg("W"), arg("pool"), arg("num_heads"));
   m.def("input_gradient", &input_gradient, "the second backward pass over the tokens, into dx",
-        arg("dx"), arg("x"), arg("beta"), arg("alpha"), arg("d_first"), arg("d_second"),
-        arg("centre"), arg("H"), arg("W"), arg("pool"), arg("num_heads"));
+        arg("dx"), arg("x"), arg("tok1"), arg("tok2"), arg("mean_ln"), arg("n_var"),
+        arg("d_first"), arg("d_second"), arg("centre"), arg("H"), arg("W"), arg("pool"),
+        arg("num_heads"));
   m.def("band_matmul", &band_matmul, "P X (or P^T X) over the nonzero span of every row of P",
-        arg("p"), arg("x"), arg("group"), arg("transpose"));
+        arg("p"), arg("x"), arg("group"), arg("transpose"), arg("out") = py::none(),
+        arg("lead") = 1);
   m.def("band_outer", &band_outer, "A X^T where P is nonzero, 0 elsewhere", arg("p"), arg("a"),
         arg("x"), arg("group"));
   m.def("fused_forward", &fused_forward, "Eqs. 4 and 5 without pooling, products fused",

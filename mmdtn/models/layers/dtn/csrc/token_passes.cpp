@@ -311,17 +311,19 @@ void backward_tokens_impl(const TokenGradientOperands& t, const Grid& g) {
 }
 
 // dx += x beta + alpha + (dT_0 + 2 (x - centre) dT_1) / n, with n the number of tokens of the cell
-// and dT the gradients of the positional products' inputs (cell views; dT_1 may be absent).
+// and dT the gradients of the positional products' inputs (cell views; dT_1 may be absent). beta
+// and alpha, the gradient of Eq. 2 (function.ln_gradient): beta = -tok2 / n_var and
+// alpha = -tok1 / C - beta mu_ln.
 template <typename T, bool SECOND>
-void input_grad_impl(Tensor& dx, const Tensor& x, const Tensor& beta,
-                     const Tensor& alpha, const Tensor& d_first,
-                     const Tensor& d_second, const Tensor& centre, const Grid& g) {
-  const T* px = x.data_ptr<T>();
-  const T* pbeta = beta.data_ptr<T>();
-  const T* palpha = alpha.data_ptr<T>();
-  const T* pcen = centre.data_ptr<T>();
-  T* pdx = dx.data_ptr<T>();
-  const CellView<T> d0(d_first), d1(SECOND ? d_second : d_first);
+void input_grad_impl(const InputGradientOperands& o, const Tensor& d_second, const Grid& g) {
+  const T* px = o.x.data_ptr<T>();
+  const T* ptok1 = o.tok1.data_ptr<T>();
+  const T* ptok2 = o.tok2.data_ptr<T>();
+  const T* pmu = o.mean_ln.data_ptr<T>();
+  const T to_beta = static_cast<T>(-1.0 / o.n_var), to_alpha = static_cast<T>(-1.0 / g.C);
+  const T* pcen = o.centre.data_ptr<T>();
+  T* pdx = o.dx.data_ptr<T>();
+  const CellView<T> d0(o.d_first), d1(d_second);
   at::parallel_for(0, g.units(), 1, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const int64_t b = u / g.Hp, ci = u % g.Hp;
@@ -329,7 +331,7 @@ void input_grad_impl(Tensor& dx, const Tensor& x, const Tensor& beta,
         for (int64_t j = 0; j < g.W; ++j) {
           const int64_t t = (b * g.H + i) * g.W + j, cj = j / g.s;
           const T inv_n = T(1) / T(g.cell_tokens(u, cj));
-          const T beta_t = pbeta[t], alpha_t = palpha[t];
+          const T beta_t = ptok2[t] * to_beta, alpha_t = ptok1[t] * to_alpha - beta_t * pmu[t];
           const T* xt = px + t * g.C;
           T* dxt = pdx + t * g.C;
           for (int64_t h = 0; h < g.nh; ++h) {
@@ -387,11 +389,9 @@ void token_gradients(const TokenGradientOperands& o, const Grid& g) {
 void input_gradient(const InputGradientOperands& o, const Grid& g) {
   AT_DISPATCH_FLOATING_TYPES(o.x.scalar_type(), "dtn_input_gradient", [&] {
     if (o.d_second)
-      input_grad_impl<scalar_t, true>(o.dx, o.x, o.beta, o.alpha, o.d_first, *o.d_second,
-                                      o.centre, g);
+      input_grad_impl<scalar_t, true>(o, *o.d_second, g);
     else
-      input_grad_impl<scalar_t, false>(o.dx, o.x, o.beta, o.alpha, o.d_first, o.d_first,
-                                       o.centre, g);
+      input_grad_impl<scalar_t, false>(o, o.d_first, g);
   });
 }
 
