@@ -155,7 +155,7 @@ def test_compiles_with_torch_compile(triton_dtn):
     compiled = torch.compile(norm, fullgraph=True, backend='aot_eager')
     x = tokens(1, 5, 6, 16, torch.float32).requires_grad_()
     y, ref = compiled(x, (5, 6)), norm(x, (5, 6))
-    assert torch.allclose(y, ref)
+    assert torch.allclose(y, ref, atol=1e-6)  # P traced and eager: equal to float32 rounding
     grads = torch.autograd.grad(y.sum(), [x, *norm.parameters()])
     ref_grads = torch.autograd.grad(ref.sum(), [x, *norm.parameters()])
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, ref_grads))
