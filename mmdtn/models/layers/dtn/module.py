@@ -133,8 +133,7 @@ class DynamicTokenNorm(nn.Module):
         self.convention = REFERENCE_CONVENTION if reference_compat else PAPER_CONVENTION
         self.weight = nn.Parameter(torch.empty(num_features))
         self.bias = nn.Parameter(torch.empty(num_features))
-        self.gate_names = GATE_PARAMETERS[init]
-        for name in self.gate_names:
+        for name in GATE_PARAMETERS[init]:
             self.register_parameter(name, nn.Parameter(torch.empty(num_heads)))
         self.pos_coef = nn.Parameter(torch.empty(num_heads, 3))
         self.reset_parameters()
@@ -154,6 +153,11 @@ class DynamicTokenNorm(nn.Module):
                 f'eps={self.eps}, init={self.init!r}, reference_compat={self.reference_compat}')
 
     # ------------------------------------------------------------------ analysis helpers
+    @property
+    def gate_names(self):
+        """The names of the gate parameters (mean, variance) of this layer's ``init``."""
+        return GATE_PARAMETERS[self.init]
+
     @property
     def gates(self):
         """The gate parameters (mean, variance): logits, or distances from LayerNorm."""
