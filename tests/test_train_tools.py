@@ -326,3 +326,39 @@ def test_setup_distributed_cpu_gloo(monkeypatch):
         close_distributed()
     assert not torch.distributed.is_initialized()
     close_distributed()  # without a group: nothing to do
+
+
+EXIT_SCRIPT = """
+import atexit, sys
+import torch, torch.distributed as dist
+from mmdtn.engine import close_distributed, exit_process, init_cpu_process_group
+
+class Finalized:
+    def __del__(self):
+        print('finalized')
+
+finalized = Finalized()
+atexit.register(print, 'exit functions ran')
+if sys.argv[1] == 'gloo':
+    init_cpu_process_group('pytorch')
+    t = torch.ones(3)
+    dist.broadcast(t, 0)
+    dist.all_reduce(t)
+    close_distributed()
+sys.stdout.write('buffered output')
+exit_process(3)
+"""
+
+
+@pytest.mark.parametrize('group', ['gloo', 'none'])
+def test_exit_process_after_gloo_skips_only_the_finalization(tmp_path, group):
+    """The tools end with exit_process: after a gloo group, the exit status, buffered output and
+    exit functions are kept but the interpreter's finalization (where a gloo worker releasing a
+    tensor aborts the process) is skipped; without one it is sys.exit."""
+    script = tmp_path / 'exit.py'
+    script.write_text(EXIT_SCRIPT)
+    rc, out = run([sys.executable, script, group], tmp_path, RANK='0', WORLD_SIZE='1',
+                  LOCAL_RANK='0', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(_free_port()))
+    assert rc == 3, out
+    assert 'buffered output' in out and 'exit functions ran' in out, out
+    assert ('finalized' in out) == (group == 'none'), out

@@ -21,6 +21,7 @@ from copy import deepcopy
 import mmdtn  # noqa: F401  (first: registers mmdtn's modules, weights_only checkpoint loading)
 from mmengine.config import ConfigDict
 
+from mmdtn.engine import exit_process
 from mmdtn.engine.cli import config_of, fail, parse_args, tool_parser
 from mmdtn.engine.runner import build_runner, run
 
@@ -142,3 +143,4 @@ def main(argv=None):
 
 if __name__ == '__main__':
     main()
+    exit_process(0)
