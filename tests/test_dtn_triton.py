@@ -15,9 +15,10 @@ from test_dynamic_token_norm import dense_dtn, randomize, tokens
 from mmdtn import DynamicTokenNorm, set_dtn_backend
 from mmdtn.models.layers.dtn.backends import select_backend
 from mmdtn.models.layers.dtn.backends import triton as triton_backend
-from mmdtn.models.layers.dtn.backends import triton_kernels
+from mmdtn.models.layers.dtn.backends import triton_factors, triton_kernels
+from mmdtn.models.layers.dtn.backends.base import recording_launches
 from mmdtn.models.layers.dtn.grid import TokenGrid
-from mmdtn.models.layers.dtn.positional import axis_factors
+from mmdtn.models.layers.dtn.positional import axis_factors, paper_coefficients
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -108,8 +109,39 @@ def test_kernels_with_pooling_move_about_the_fused_bound(backend_setting, C, hw,
     counts = traffic(norm, x, hw, torch.empty_like(x))
     for count, bound in zip(counts, fused_bound(C, pool, x.element_size())):
         kernels = {k: v for k, v in count.by_kernel.items() if k != 'torch'}
-        assert len(kernels) == 3  # the statistics or token gradients pass, spans, one more pass
+        # the factors, the statistics or token gradients pass, spans, one more pass
+        assert len(kernels) == 4, kernels
         assert sum(kernels.values()) / x.shape[:2].numel() <= 1.1 * bound, (kernels, bound)
+
+
+@pytest.mark.parametrize('heads,rows,cols', [(3, 5, 70), (1, 1, 1), (4, 17, 2)])
+def test_factors_in_one_launch_equal_the_pytorch_formulation(heads, rows, cols):
+    """P_y and P_x from the Triton kernels (rows in blocks of 16, entries in steps of 64, here
+    more than one) equal positional.axis_factors to float32 rounding, with the same exact zeros;
+    the gradient of the coefficients equals that of the float64 formulation to float32 rounding
+    of its sums, also when one factor takes no part in the loss (its gradient None)."""
+    torch.manual_seed(0)
+    coef = (paper_coefficients(heads) + 0.2 * torch.randn(heads, 3)).requires_grad_()
+    with recording_launches() as launches:
+        factors = triton_factors.axis_factors(coef, rows, cols)
+    assert [k.name for k in launches] == ['triton.axis_factors']
+    for p, q in zip(factors, axis_factors(coef, rows, cols)):
+        assert torch.allclose(p, q, rtol=1e-6, atol=1e-7) and torch.equal(p == 0, q == 0)
+    pytorch = axis_factors(coef, rows, cols)
+    coef64 = coef.detach().double().requires_grad_()
+    expected = axis_factors(coef64, rows, cols)
+
+    def gradient(ps, wrt, used):
+        grads = [torch.linspace(-1.0, 2.0, ps[i].numel(), dtype=ps[i].dtype).view_as(ps[i])
+                 for i in used]
+        return torch.autograd.grad(sum((ps[i] * g).sum() for i, g in zip(used, grads)), wrt,
+                                   retain_graph=True)[0].double()
+
+    for used in ((0, 1), (1, )):
+        want = gradient(expected, coef64, used)
+        error = (gradient(factors, coef, used) - want).abs().max()
+        pytorch_error = (gradient(pytorch, coef, used) - want).abs().max()
+        assert error <= max(4 * pytorch_error, 1e-6 * want.abs().max()), (error, pytorch_error)
 
 
 def test_spans_of_a_factor_are_its_nonzero_band():
@@ -189,7 +221,7 @@ def test_kernels_compile_for_sm90_without_spills():
     kernels = {r['kernel'] for r in rows}
     assert kernels == {'_token_statistics_kernel', '_cell_statistics_kernel', '_spans_kernel',
                        '_output_kernel', '_token_gradients_kernel', '_cell_gradients_kernel',
-                       '_input_gradient_kernel'}
+                       '_input_gradient_kernel', '_factors_kernel', '_factors_backward_kernel'}
     for r in rows:
         assert r['arch'] == 90 and set(r) >= {'kernel', 'registers', 'spills', 'shared_bytes'}
         assert r['spills'] == 0 and r['shared_bytes'] <= 227 * 1024, r

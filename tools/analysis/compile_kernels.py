@@ -34,6 +34,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import mmdtn  # noqa: E402,F401
 from mmdtn import DynamicTokenNorm  # noqa: E402
+from mmdtn.models.layers.dtn.backends import triton_factors  # noqa: E402
 from mmdtn.models.layers.dtn.backends.triton_kernels import (  # noqa: E402
     INDEX_POINTERS, TOKEN_POINTERS, specializations)
 
@@ -134,13 +135,13 @@ def main():
         layers |= model_layers
         grids[model] = sorted(model_grids)
     conventions = [False, True] if args.reference_compat else [False]
+    specs = [spec for C, pool in sorted(layers) for square in conventions
+             for spec in specializations(C, pool, square)] + triton_factors.specializations()
     jobs = {}
-    for C, pool in sorted(layers):
-        for square in conventions:
-            for kernel, constexprs, warps in specializations(C, pool, square):
-                for dtype in args.dtypes:
-                    key = (kernel.fn.__name__, tuple(sorted(constexprs.items())), warps, dtype)
-                    jobs[key] = (kernel, constexprs, warps, dtype)
+    for kernel, constexprs, warps in specs:
+        for dtype in args.dtypes:
+            key = (kernel.fn.__name__, tuple(sorted(constexprs.items())), warps, dtype)
+            jobs[key] = (kernel, constexprs, warps, dtype)
     rows = []
     for arch in args.arch:
         for (name, _, warps, dtype), (kernel, constexprs, _, _) in tqdm(

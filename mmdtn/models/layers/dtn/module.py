@@ -185,15 +185,18 @@ class DynamicTokenNorm(nn.Module):
         s = self.pool_size
         return (-(-H // s), -(-W // s))
 
-    def axis_matrices(self, hw_shape, dtype=None):
-        """Factors (P_y, P_x) of P^h = P_y^h (kron) P_x^h on the pooled grid (Eq. 6).
+    def axis_matrices(self, hw_shape, dtype=None, backend=None):
+        """Factors (P_y, P_x) of P^h = P_y^h (kron) P_x^h on the pooled grid (Eq. 6), formed by
+        ``backend`` (a DTN backend) where given.
 
         Returns:
             tuple[Tensor, Tensor]: P_y (num_heads, Hp, Hp) and P_x (num_heads, Wp, Wp), rows sum
             to 1; P_x[h, i, j] = softmax_j(a1 (j - i)^2 + a2 (j - i)) and likewise P_y with a3.
         """
         coef = self.pos_coef if dtype is None else self.pos_coef.to(dtype)
-        return axis_factors(coef, *self.pooled_shape(hw_shape))
+        if backend is None:
+            return axis_factors(coef, *self.pooled_shape(hw_shape))
+        return backend.axis_factors(coef, *self.pooled_shape(hw_shape))
 
     def positional_matrix(self, hw_shape):
         """Dense P^h of Eq. 6, shape (num_heads, T, T) with T = Hp * Wp cells in row-major order.
@@ -214,9 +217,10 @@ class DynamicTokenNorm(nn.Module):
         with no_autocast(x.device), torch.no_grad():
             dtype = self._computation_dtype(x)
             xc = self._prepare(x.to(dtype))
-            p_y, p_x = self.axis_matrices(hw_shape, dtype=dtype)
-            stats, mean_it, var_it = inter_token_statistics(
-                select_backend(xc, grid, dtype), xc, p_y, p_x, grid, self.convention)
+            backend = select_backend(xc, grid, dtype)
+            p_y, p_x = self.axis_matrices(hw_shape, dtype, backend)
+            stats, mean_it, var_it = inter_token_statistics(backend, xc, p_y, p_x, grid,
+                                                            self.convention)
             mean_it, var_it = grid.to_tokens(mean_it), grid.to_tokens(var_it)
             mean_it, var_it = mean_it.to(dtype), var_it.to(dtype)
             lam_m, kap_m, lam_v, kap_v = self._channel_ratios(dtype).unbind(0)
@@ -241,7 +245,7 @@ class DynamicTokenNorm(nn.Module):
             backend = select_backend(x, grid, dtype)
             xc = x if x.dtype in backend.input_dtypes else x.to(dtype)
             xc = self._prepare(xc).contiguous()
-            p_y, p_x = self.axis_matrices(hw_shape, dtype=dtype)
+            p_y, p_x = self.axis_matrices(hw_shape, dtype, backend)
             y = backend.apply(xc, p_y, p_x, self._channel_ratios(dtype), weight, bias, grid,
                               self.eps, self.convention)
         return y.to(x.dtype)

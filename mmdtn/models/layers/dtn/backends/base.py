@@ -10,6 +10,8 @@ from typing import Optional
 
 import torch
 
+from ..positional import axis_factors
+
 __all__ = ['Backend', 'DenseFactor', 'KernelLaunch', 'recording_launches', 'record_launch',
            'RecordedKernels']
 
@@ -39,6 +41,12 @@ class Backend:
     def statistics(self, x, grid, convention):
         """Eq. 2 per token and the cell moments: a TokenStatistics."""
         raise NotImplementedError
+
+    def axis_factors(self, pos_coef, rows, cols):
+        """The positional factors (P_y, P_x) of Eq. 6 from the coefficients a^h (heads, 3), in the
+        computation dtype: :func:`..positional.axis_factors` unless the backend forms them
+        itself."""
+        return axis_factors(pos_coef, rows, cols)
 
     def factor(self, p):
         """The products with one positional factor p (heads, L, L): an object with

@@ -10,7 +10,8 @@ with pooling, of the cells (see :mod:`.triton_kernels`).
 
 The kernels run inside the ``torch.library`` custom ops ``mmdtn::dtn_triton_forward`` and
 ``mmdtn::dtn_triton_backward``, which ``torch.compile`` and ``torch.export`` record as single
-operations.
+operations; the positional factors P_y and P_x are formed from the coefficients a^h in
+``mmdtn::dtn_triton_axis_factors`` (:mod:`.triton_factors`), one launch forward and one backward.
 """
 import os
 
@@ -20,10 +21,11 @@ from ..function import Saved, TokenStatistics, define_custom_ops
 from .base import Backend, DenseFactor
 
 try:
+    from . import triton_factors as factors
     from . import triton_kernels as kernels
     _MISSING = None
 except ImportError as error:  # pragma: no cover - PyTorch builds without triton
-    kernels, _MISSING = None, f'triton cannot be imported ({error})'
+    factors, kernels, _MISSING = None, None, f'triton cannot be imported ({error})'
 
 __all__ = ['TritonBackend', 'interpreting']
 
@@ -54,6 +56,9 @@ class TritonBackend(Backend):
         if x.device.type not in ('cuda', 'cpu', 'meta'):
             return f'x is on {x.device}; the Triton kernels run on CUDA GPUs'
         return None
+
+    def axis_factors(self, pos_coef, rows, cols):
+        return factors.axis_factors(pos_coef, rows, cols)
 
     def factor(self, p):
         return DenseFactor(p)

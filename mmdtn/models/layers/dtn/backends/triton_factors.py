@@ -1,0 +1,194 @@
+"""The positional factors P_y^h and P_x^h of DynamicTokenNorm (Eq. 6) in Triton: one launch
+forward, one backward.
+
+Written in PyTorch (:func:`..positional.axis_factors`), the factors take about 20 element-wise
+operations forward and 14 backward, each a launch that reads and writes heads x L x L values:
+on a GPU that is more launches than the rest of the layer and, without pooling, about a quarter
+of its bytes. Here a program forms ROWS rows of a factor from the coefficients a^h alone,
+
+    P[h, i, j] = softmax_j(a1 d^2 + a_lin d),   d = j - i,   a_lin = a2 for P_x, a3 for P_y,
+
+truncated as :func:`..positional.truncated_softmax` (weights below eps(float32) 2^-26 of the row
+maximum are exact zeros), in chunks of ``BLOCK`` entries, so that any L runs with one compiled
+kernel: the logits are recomputed for the row maximum, the row sum and the store instead of being
+read. Backward, a program per head adds up the gradient of its coefficients over the rows of both
+factors in a fixed order (deterministic, no atomics): with dl = P (dP - sum_j P dP) the gradient of
+the logits, da1 = sum d^2 dl over both factors, da2 = sum d dl over P_x, da3 over P_y.
+
+Both run in the ``torch.library`` custom op ``mmdtn::dtn_triton_axis_factors``.
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..function import CUSTOM_OP_IMPLEMENTATIONS
+from ..positional import CUTOFF_MARGIN_BITS
+from .triton_kernels import _launch
+
+__all__ = ['axis_factors', 'specializations']
+
+#: Rows of a factor a program forms, and entries of those rows one step covers.
+ROWS, BLOCK = 16, 64
+#: Logits below the row maximum by more than this are exact zeros (positional.truncated_softmax).
+CUTOFF = math.log(torch.finfo(torch.float32).eps) - CUTOFF_MARGIN_BITS * math.log(2.0)
+
+
+@triton.jit
+def _rows(b, rows, cols, ROWS: tl.constexpr):
+    """Block b of ROWS rows among those of P_y^h followed by those of P_x^h: (whether they are
+    P_x's, their indices i (ROWS,), the length L of the factor's rows)."""
+    blocks_y = tl.cdiv(rows, ROWS)
+    in_x = b >= blocks_y
+    i = tl.where(in_x, b - blocks_y, b) * ROWS + tl.arange(0, ROWS)
+    return in_x, i, tl.where(in_x, cols, rows)
+
+
+@triton.jit
+def _entries(i, start, length, BLOCK: tl.constexpr):
+    """Columns k = start .. start + BLOCK of rows i: (k, d = k - i as float32 (ROWS, BLOCK),
+    which entries lie in the factor)."""
+    k = start + tl.arange(0, BLOCK)
+    d = (k[None, :] - i[:, None]).to(tl.float32)
+    return k, d, (i[:, None] < length) & (k[None, :] < length)
+
+
+@triton.jit
+def _logits(a1, a_lin, d, k, length):
+    """Eq. 6's logits a1 d^2 + a_lin d, -inf past the row's end."""
+    return tl.where(k[None, :] < length, a1 * (d * d) + a_lin * d, float('-inf'))
+
+
+@triton.jit(do_not_specialize=['rows', 'cols'])
+def _factors_kernel(coef_ptr, p_y_ptr, p_x_ptr, rows, cols, ROWS: tl.constexpr,
+                    BLOCK: tl.constexpr, CUTOFF: tl.constexpr):
+    """ROWS rows of P_y^h or of P_x^h (program (h, b)), the truncated softmax of Eq. 6."""
+    h, b = tl.program_id(0), tl.program_id(1)
+    in_x, i, length = _rows(b, rows, cols, ROWS)
+    a1 = tl.load(coef_ptr + 3 * h)
+    a_lin = tl.load(coef_ptr + 3 * h + tl.where(in_x, 1, 2))
+    peak = tl.full((ROWS, ), float('-inf'), tl.float32)
+    for start in range(0, length, BLOCK):
+        k, d, _ = _entries(i, start, length, BLOCK)
+        peak = tl.maximum(peak, tl.max(_logits(a1, a_lin, d, k, length), axis=1))
+    total = tl.zeros((ROWS, ), tl.float32)
+    for start in range(0, length, BLOCK):
+        k, d, _ = _entries(i, start, length, BLOCK)
+        shifted = _logits(a1, a_lin, d, k, length) - peak[:, None]
+        total += tl.sum(tl.where(shifted < CUTOFF, 0.0, tl.exp(shifted)), axis=1)
+    out = tl.where(in_x, p_x_ptr + h * cols * cols, p_y_ptr + h * rows * rows)
+    for start in range(0, length, BLOCK):
+        k, d, inside = _entries(i, start, length, BLOCK)
+        shifted = _logits(a1, a_lin, d, k, length) - peak[:, None]
+        p = tl.where(shifted < CUTOFF, 0.0, tl.exp(shifted)) / total[:, None]
+        tl.store(out + i[:, None] * length + k[None, :], p, mask=inside)
+
+
+@triton.jit(do_not_specialize=['rows', 'cols'])
+def _factors_backward_kernel(p_y_ptr, p_x_ptr, grad_y_ptr, grad_x_ptr, grad_coef_ptr, rows, cols,
+                             ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """The gradient (3,) of a^h (program h) from the gradients of P_y^h and P_x^h."""
+    h = tl.program_id(0)
+    d_square = tl.zeros((ROWS, ), tl.float32)
+    d_lin_y = tl.zeros((ROWS, ), tl.float32)
+    d_lin_x = tl.zeros((ROWS, ), tl.float32)
+    for b in range(0, tl.cdiv(rows, ROWS) + tl.cdiv(cols, ROWS)):
+        in_x, i, length = _rows(b, rows, cols, ROWS)
+        first = tl.where(in_x, h * cols * cols, h * rows * rows)
+        p_ptr = tl.where(in_x, p_x_ptr, p_y_ptr) + first
+        g_ptr = tl.where(in_x, grad_x_ptr, grad_y_ptr) + first
+        inner = tl.zeros((ROWS, ), tl.float32)  # sum_j P dP of each row
+        for start in range(0, length, BLOCK):
+            k, d, inside = _entries(i, start, length, BLOCK)
+            at = i[:, None] * length + k[None, :]
+            inner += tl.sum(tl.load(p_ptr + at, mask=inside, other=0.0) *
+                            tl.load(g_ptr + at, mask=inside, other=0.0), axis=1)
+        row_square = tl.zeros((ROWS, ), tl.float32)
+        row_lin = tl.zeros((ROWS, ), tl.float32)
+        for start in range(0, length, BLOCK):
+            k, d, inside = _entries(i, start, length, BLOCK)
+            at = i[:, None] * length + k[None, :]
+            p = tl.load(p_ptr + at, mask=inside, other=0.0)
+            logit_grad = p * (tl.load(g_ptr + at, mask=inside, other=0.0) - inner[:, None])
+            row_square += tl.sum(logit_grad * (d * d), axis=1)
+            row_lin += tl.sum(logit_grad * d, axis=1)
+        d_square += row_square
+        d_lin_x += tl.where(in_x, row_lin, 0.0)
+        d_lin_y += tl.where(in_x, 0.0, row_lin)
+    tl.store(grad_coef_ptr + 3 * h, tl.sum(d_square, axis=0))
+    tl.store(grad_coef_ptr + 3 * h + 1, tl.sum(d_lin_x, axis=0))
+    tl.store(grad_coef_ptr + 3 * h + 2, tl.sum(d_lin_y, axis=0))
+
+
+def _factors_spec():
+    return _factors_kernel, dict(ROWS=ROWS, BLOCK=BLOCK, CUTOFF=CUTOFF), 4
+
+
+def _factors_backward_spec():
+    return _factors_backward_kernel, dict(ROWS=ROWS, BLOCK=BLOCK), 4
+
+
+def specializations():
+    """The compiled kernels of the factors, as (kernel, constexprs, num_warps): the same for
+    every layer and grid."""
+    return [_factors_spec(), _factors_backward_spec()]
+
+
+# ---------------------------------------------------------------------------- custom op
+def run_factors(pos_coef: Tensor, rows: int, cols: int) -> tuple[Tensor, Tensor]:
+    coef = pos_coef.contiguous()
+    heads = coef.shape[0]
+    p_y = coef.new_empty(heads, rows, rows)
+    p_x = coef.new_empty(heads, cols, cols)
+    blocks = triton.cdiv(rows, ROWS) + triton.cdiv(cols, ROWS)
+    _launch('triton.axis_factors', _factors_spec(), (heads, blocks), [coef], [p_y, p_x], coef,
+            p_y, p_x, rows, cols)
+    return p_y, p_x
+
+
+def run_factors_backward(p_y: Tensor, p_x: Tensor, grad_y: Tensor, grad_x: Tensor) -> Tensor:
+    heads, rows, cols = p_y.shape[0], p_y.shape[-1], p_x.shape[-1]
+    grad_coef = p_y.new_empty(heads, 3)
+    _launch('triton.axis_factors_backward', _factors_backward_spec(), (heads, ),
+            [p_y, p_x, grad_y, grad_x], [grad_coef], p_y, p_x, grad_y, grad_x, grad_coef, rows,
+            cols)
+    return grad_coef
+
+
+NAMES = 'mmdtn::dtn_triton_axis_factors', 'mmdtn::dtn_triton_axis_factors_backward'
+_factors = torch.library.custom_op(NAMES[0], mutates_args=())(run_factors)
+_factors_backward = torch.library.custom_op(NAMES[1], mutates_args=())(run_factors_backward)
+
+
+@_factors.register_fake
+def _(pos_coef, rows, cols):
+    heads = pos_coef.shape[0]
+    return pos_coef.new_empty(heads, rows, rows), pos_coef.new_empty(heads, cols, cols)
+
+
+@_factors_backward.register_fake
+def _(p_y, p_x, grad_y, grad_x):
+    return p_y.new_empty(p_y.shape[0], 3)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*output)
+
+
+def _differentiate(ctx, grad_y, grad_x):
+    p_y, p_x = ctx.saved_tensors
+    grad_y = torch.zeros_like(p_y) if grad_y is None else grad_y.contiguous()
+    grad_x = torch.zeros_like(p_x) if grad_x is None else grad_x.contiguous()
+    return _factors_backward(p_y, p_x, grad_y, grad_x), None, None
+
+
+_factors.register_autograd(_differentiate, setup_context=_setup_context)
+CUSTOM_OP_IMPLEMENTATIONS.update(zip(NAMES, (run_factors, run_factors_backward)))
+
+
+def axis_factors(pos_coef, rows, cols):
+    """(P_y, P_x) of :func:`..positional.axis_factors` for float32 coefficients ``pos_coef``
+    (heads, 3), in the Triton kernels of this module."""
+    return _factors(pos_coef, rows, cols)
