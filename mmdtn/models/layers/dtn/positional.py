@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 __all__ = ['neighbourhood_offsets', 'paper_coefficients', 'relative_offsets', 'truncated_softmax',
-           'axis_factors', 'positional_matrix', 'CUTOFF_MARGIN_BITS']
+           'truncation_cutoff', 'axis_factors', 'positional_matrix', 'CUTOFF_MARGIN_BITS']
 
 #: Positional weights below eps(dtype) * 2^-CUTOFF_MARGIN_BITS of their row's maximum are exact
 #: zeros (see truncated_softmax): 2^-49 = 1.8e-15 in float32, 2^-78 = 3.3e-24 in float64.
@@ -73,11 +73,16 @@ def truncated_softmax(logits):
     return _truncated_softmax(logits, serial=False)
 
 
+def truncation_cutoff(dtype):
+    """The logit, relative to its row's maximum, below which truncated_softmax gives an exact
+    zero: log(eps(dtype) 2^-CUTOFF_MARGIN_BITS)."""
+    return math.log(torch.finfo(dtype).eps) - CUTOFF_MARGIN_BITS * math.log(2.0)
+
+
 def _truncated_softmax(logits, serial):
     """truncated_softmax; with ``serial`` by :class:`_SerialSoftmax`."""
-    cutoff = math.log(torch.finfo(logits.dtype).eps) - CUTOFF_MARGIN_BITS * math.log(2.0)
     shifted = logits - logits.detach().amax(dim=-1, keepdim=True)
-    kept = shifted.masked_fill(shifted < cutoff, -math.inf)
+    kept = shifted.masked_fill(shifted < truncation_cutoff(logits.dtype), -math.inf)
     return _SerialSoftmax.apply(kept) if serial else torch.softmax(kept, dim=-1)
 
 

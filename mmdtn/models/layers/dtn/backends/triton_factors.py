@@ -17,15 +17,13 @@ the logits, da1 = sum d^2 dl over both factors, da2 = sum d dl over P_x, da3 ove
 
 Both run in the ``torch.library`` custom op ``mmdtn::dtn_triton_axis_factors``.
 """
-import math
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from ..function import CUSTOM_OP_IMPLEMENTATIONS
-from ..positional import CUTOFF_MARGIN_BITS
+from ..positional import truncation_cutoff
 from .triton_kernels import _launch
 
 __all__ = ['axis_factors', 'specializations']
@@ -33,7 +31,7 @@ __all__ = ['axis_factors', 'specializations']
 #: Rows of a factor a program forms, and entries of those rows one step covers.
 ROWS, BLOCK = 16, 64
 #: Logits below the row maximum by more than this are exact zeros (positional.truncated_softmax).
-CUTOFF = math.log(torch.finfo(torch.float32).eps) - CUTOFF_MARGIN_BITS * math.log(2.0)
+CUTOFF = truncation_cutoff(torch.float32)
 
 
 @triton.jit
