@@ -49,6 +49,10 @@ class StatisticsConvention:
     unbiased_ln_var: bool = False
     square_of_pooled: bool = False
 
+    def ln_divisor(self, C):
+        """What the intra-token variance of C channels (Eq. 2) divides by: C, or C - 1."""
+        return C - 1 if self.unbiased_ln_var else C
+
 
 #: Eqs. 4-6 of the paper (the default).
 PAPER_CONVENTION = StatisticsConvention()

@@ -153,7 +153,7 @@ def dtn_backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, conv
 
 def _backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convention):
     C = grid.C
-    n_var = C - 1 if convention.unbiased_ln_var else C
+    n_var = convention.ln_divisor(C)
     if grid.pooled and backend.fuses_cell_products(x, grid):
         dx, grad_p_y, grad_p_x, sums = backend.fused_cell_backward(
             g, x, saved, p_y, p_x, ratios, weight, eps, n_var, grid, convention)

@@ -73,7 +73,7 @@ def dense_dtn(x, hw_shape, weight, bias, mean_gate, var_gate, pos_coef, pool_siz
         x = group_rms_normalize(x, heads, eps)
 
     # Eq. 2: intra-token (LN) statistics over the C channels of every token
-    n_var = C - 1 if convention.unbiased_ln_var else C
+    n_var = convention.ln_divisor(C)
     mean_ln = x.mean(-1, keepdim=True)
     var_ln = (x - mean_ln).square().sum(-1, keepdim=True) / n_var
 

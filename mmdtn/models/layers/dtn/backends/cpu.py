@@ -101,7 +101,7 @@ class CpuBackend(Backend):
         return dict(H=grid.H, W=grid.W, pool=grid.pool, num_heads=grid.heads)
 
     def statistics(self, x, grid, convention):
-        n_var = grid.C - 1 if convention.unbiased_ln_var else grid.C
+        n_var = convention.ln_divisor(grid.C)
         mean_ln, var_ln, cells = kernels.statistics(x=x, n_var=float(n_var), H=grid.H, W=grid.W,
                                                     pool=grid.pool)
         if grid.pooled:  # cells: the cell means

@@ -29,7 +29,7 @@ class PyTorchBackend(Backend):
 
     def statistics(self, x, grid, convention):
         B, N, C = x.shape
-        n_var = C - 1 if convention.unbiased_ln_var else C
+        n_var = convention.ln_divisor(C)
         # Eq. 2: the mean as a sum / C (exact for constant tokens), the variance in two passes
         mean_ln = x.sum(-1, keepdim=True) / C
         var_ln = (x - mean_ln).square().sum(-1, keepdim=True) / n_var

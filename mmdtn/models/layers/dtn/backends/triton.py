@@ -64,7 +64,7 @@ class TritonBackend(Backend):
         return DenseFactor(p)
 
     def statistics(self, x, grid, convention):
-        n_var = grid.C - 1 if convention.unbiased_ln_var else grid.C
+        n_var = convention.ln_divisor(grid.C)
         mean_ln, var_ln, cells = kernels.statistics(x, grid, n_var)
         if not grid.pooled:  # cells: per-image channel sums of the programs
             centre = (cells.sum(1) / grid.N).view(grid.B, 1, 1, grid.C)
@@ -82,7 +82,7 @@ class TritonBackend(Backend):
         return True
 
     def fused_cell_forward(self, x, p_y, p_x, ratios, weight, bias, eps, grid, convention):
-        n_var = grid.C - 1 if convention.unbiased_ln_var else grid.C
+        n_var = convention.ln_divisor(grid.C)
         mean_ln, var_ln, (cells, centre) = kernels.statistics(x, grid, n_var)
         y = kernels.output(x, mean_ln, var_ln, centre, p_y.detach().contiguous(),
                            p_x.detach().contiguous(), ratios.contiguous(), weight.contiguous(),
