@@ -46,6 +46,7 @@ from tqdm import tqdm
 
 from mmdtn import DynamicTokenNorm, available_backends, set_dtn_backend
 from mmdtn.models.layers.dtn.backends.base import recording_launches
+from mmdtn.models.layers.dtn.backends.triton_kernels import cell_gradient_dtype
 from mmdtn.models.layers.dtn.function import CUSTOM_OP_IMPLEMENTATIONS
 from mmdtn.models.layers.dtn.reference import DenseDynamicTokenNorm
 
@@ -230,18 +231,21 @@ def traffic_table(args, device, backends, progress):
     return counts
 
 
-def fused_bound(C, pool, element_size):
-    """Bytes per token, (forward, backward), that a DTN fused as far as the math allows must move:
-    x read twice and y written forward; g and x read twice and dx written backward. With pooling,
-    Eq. 5's inter-token moments are per cell and channel (first and second, float32: 2 C 4 bytes
-    per cell); they are written once and read once forward (the products fused into the read), and
-    backward m is read twice, dL/dm written and read back. Without pooling every cell is a token
-    and the moments need not be stored: a kernel forms them from x's neighbours on chip."""
-    tokens = C * element_size
+def fused_bound(C, pool, dtype):
+    """Bytes per token, (forward, backward), that a DTN fused as far as the math allows must move
+    for tokens of ``dtype``: x read twice and y written forward; g and x read twice and dx written
+    backward. With pooling, Eq. 5's inter-token moments are per cell and channel (first and
+    second, float32: 2 C 4 bytes per cell); they are written once and read once forward (the
+    products fused into the read), and backward m is read twice, dL/dm (two values per cell and
+    channel, in the Triton backend's :func:`cell_gradient_dtype`) written and read back. Without
+    pooling every cell is a token and the moments need not be stored: a kernel forms them from
+    x's neighbours on chip."""
+    tokens = C * torch.empty((), dtype=dtype).element_size()
     if pool == 1:
         return 3 * tokens, 5 * tokens
     moments = 2 * C * 4 / pool**2
-    return 3 * tokens + 2 * moments, 5 * tokens + 4 * moments
+    gradients = 2 * C * torch.empty((), dtype=cell_gradient_dtype(dtype)).element_size() / pool**2
+    return 3 * tokens + 2 * moments, 5 * tokens + 2 * moments + 2 * gradients
 
 
 def model_table(args, counts):
@@ -251,7 +255,6 @@ def model_table(args, counts):
           'float32), bytes read + written; targets: forward <= 1.5x and backward <= 2x '
           "LayerNorm's with pooling, <= 2x and <= 3x without; bound: what a design fused as far "
           'as the math allows moves')
-    element_size = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
     for model, stage, C, H, W, pool, heads in STAGES:
         label = stage_label(model, stage, C, H, W, pool)
         if (label, 'DTN triton') not in counts:
@@ -261,7 +264,7 @@ def model_table(args, counts):
         print(f'  {label}')
         for pass_, dtn, ln_pass, target, bound in zip(
                 ('forward', 'backward'), counts[label, 'DTN triton'], ln,
-                (1.5, 2.0) if pool > 1 else (2.0, 3.0), fused_bound(C, pool, element_size)):
+                (1.5, 2.0) if pool > 1 else (2.0, 3.0), fused_bound(C, pool, DTYPES[args.dtype])):
             parts = ', '.join(f'{k.replace("triton.", "")} {v / tokens:.0f}'
                               for k, v in sorted(dtn.by_kernel.items()))
             ratio, ln_per_token = dtn.bytes / ln_pass.bytes, ln_pass.bytes / tokens

@@ -36,7 +36,7 @@ import mmdtn  # noqa: E402,F401
 from mmdtn import DynamicTokenNorm  # noqa: E402
 from mmdtn.models.layers.dtn.backends import triton_factors  # noqa: E402
 from mmdtn.models.layers.dtn.backends.triton_kernels import (  # noqa: E402
-    INDEX_POINTERS, TOKEN_POINTERS, specializations)
+    GRADIENT_POINTERS, INDEX_POINTERS, TOKEN_POINTERS, cell_gradient_dtype, specializations)
 
 MODELS = {
     'pvt_tiny': ('PyramidVisionTransformerDTN', dict(num_layers=[2, 2, 2, 2])),
@@ -83,6 +83,8 @@ def signature(kernel, constexprs, dtype):
             sig[name] = 'constexpr'
         elif name in INDEX_POINTERS:
             sig[name] = '*i32'
+        elif name in GRADIENT_POINTERS:
+            sig[name] = '*' + DTYPES[str(cell_gradient_dtype(getattr(torch, dtype)))[6:]]
         elif name.endswith('_ptr'):
             sig[name] = '*' + (DTYPES[dtype] if name in TOKEN_POINTERS else 'fp32')
         else:

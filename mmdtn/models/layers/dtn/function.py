@@ -35,8 +35,8 @@ from .flops import dtn_flops
 from .grid import TokenGrid
 
 __all__ = ['no_autocast', 'TokenStatistics', 'Saved', 'Gradients', 'dtn_forward', 'dtn_backward',
-           'inter_token_statistics', 'ln_gradient', 'define_traced_function', 'define_custom_ops',
-           'CUSTOM_OP_IMPLEMENTATIONS']
+           'inter_token_statistics', 'ln_statistics', 'ln_gradient', 'define_traced_function',
+           'define_custom_ops', 'CUSTOM_OP_IMPLEMENTATIONS']
 
 
 def no_autocast(device):
@@ -63,14 +63,15 @@ class TokenStatistics:
 
 @dataclass
 class Saved:
-    """What the backward pass keeps besides the inputs: the per-token statistics and the centre;
-    with pooling also the (small) moments T and products m, which without pooling are as large as
-    x and are recomputed. A backend that forms the products of the cells in its passes
+    """What the backward pass keeps besides the inputs: the per-token statistics (None for a
+    backend that forms Eq. 2 again wherever it reads a token: ``keeps_token_statistics``) and the
+    centre; with pooling also the (small) moments T and products m, which without pooling are as
+    large as x and are recomputed. A backend that forms the products of the cells in its passes
     (``fuses_cell_products``) keeps instead, as ``moments``, the cell means and the means of
     squares about them (2, B, Hp, Wp, C), and no products."""
 
-    mean_ln: Tensor
-    var_ln: Tensor
+    mean_ln: Optional[Tensor]
+    var_ln: Optional[Tensor]
     centre: Tensor
     moments: Optional[Tensor] = None
     products: Optional[Tensor] = None
@@ -80,26 +81,31 @@ class Saved:
         def given(t):
             return self.centre.new_empty(0) if t is None else t
 
-        return [self.mean_ln, self.var_ln, self.centre, given(self.moments), given(self.products)]
+        return [given(self.mean_ln), given(self.var_ln), self.centre, given(self.moments),
+                given(self.products)]
 
     @classmethod
     def from_tensors(cls, tensors, grid):
         mean_ln, var_ln, centre, moments, products = tensors
         if not grid.pooled:
             moments = products = None
+        if mean_ln.numel() == 0:  # never a real grid's: it has at least one token
+            mean_ln = var_ln = None
         return cls(mean_ln, var_ln, centre, moments, products)
 
     @staticmethod
-    def fake_tensors(x, grid, dtype, cell_moments=False):
+    def fake_tensors(x, grid, dtype, cell_moments=False, token_statistics=True):
         """Empty tensors of the shapes :meth:`tensors` has for ``grid`` (fake implementations);
-        ``cell_moments``: those of a backend that forms the products of the cells."""
+        ``cell_moments``: those of a backend that forms the products of the cells;
+        ``token_statistics``: whether the backend keeps Eq. 2 per token."""
         B, N, C, heads, d, Hp, Wp = grid.B, grid.N, grid.C, grid.heads, grid.d, grid.Hp, grid.Wp
         cells = (heads, Wp, 2, B, Hp, d), (heads, 2, B, Hp, Wp, d)
         if not grid.pooled:
             cells = (0, ), (0, )
         elif cell_moments:
             cells = (2, B, Hp, Wp, C), (0, )
-        return [x.new_empty(B, N, 1, dtype=dtype), x.new_empty(B, N, 1, dtype=dtype),
+        tokens = (B, N, 1) if token_statistics else (0, )
+        return [x.new_empty(tokens, dtype=dtype), x.new_empty(tokens, dtype=dtype),
                 x.new_empty(B, 1, 1, C, dtype=dtype), x.new_empty(cells[0], dtype=dtype),
                 x.new_empty(cells[1], dtype=dtype)]
 
@@ -132,10 +138,9 @@ def _forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
     if grid.pooled and backend.fuses_cell_products(x, grid):
         return backend.fused_cell_forward(x, p_y, p_x, ratios, weight, bias, eps, grid,
                                           convention)
-    stats = backend.statistics(x, grid, convention)
     if backend.fuses_products(x, grid, p_x):
-        y = backend.fused_output(x, stats, p_y, p_x, ratios, weight, bias, eps, grid)
-        return y, Saved(stats.mean_ln, stats.var_ln, stats.centre)
+        return backend.fused_forward(x, p_y, p_x, ratios, weight, bias, eps, grid, convention)
+    stats = backend.statistics(x, grid, convention)
     factor_y, factor_x = backend.factor(p_y), backend.factor(p_x)
     T = moments(stats, grid)
     _, m = positional_products(T, factor_y, factor_x, grid)
@@ -241,6 +246,13 @@ def columns_backward(du, T, factor_x, grid):
     return grad_p_x, factor_x.matmul(du, transpose=True).view(T.shape)
 
 
+def ln_statistics(x, n_var):
+    """Eq. 2 per token of x (B, N, C): the mean as a sum / C (exact for constant tokens) and the
+    variance about it (two passes) divided by n_var, each (B, N, 1)."""
+    mean_ln = x.sum(-1, keepdim=True) / x.shape[-1]
+    return mean_ln, (x - mean_ln).square().sum(-1, keepdim=True) / n_var
+
+
 def ln_gradient(tok1, tok2, mean_ln, C, n_var):
     """beta, alpha (B, N, 1) of dx = ... + x beta + alpha, the gradient through Eq. 2, from the
     per-token sums tok1 = sum_c D1 lambda_m and tok2 = sum_c D2 lambda_v: dL/dmu_ln = -tok1,
@@ -344,7 +356,8 @@ def define_custom_ops(backend, name):
           square_of_pooled):
         grid = TokenGrid(x.shape[0], H, W, x.shape[2], heads, pool)
         cell_moments = grid.pooled and backend.fuses_cell_products(x, grid)
-        return [torch.empty_like(x), *Saved.fake_tensors(x, grid, weight.dtype, cell_moments)]
+        return [torch.empty_like(x), *Saved.fake_tensors(x, grid, weight.dtype, cell_moments,
+                                                         backend.keeps_token_statistics)]
 
     def run_backward(grad: Tensor, x: Tensor, p_y: Tensor, p_x: Tensor, ratios: Tensor,
                      weight: Tensor, mean_ln: Tensor, var_ln: Tensor, centre: Tensor,

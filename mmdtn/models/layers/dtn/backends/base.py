@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from ..function import Saved
 from ..positional import axis_factors
 
 __all__ = ['Backend', 'DenseFactor', 'KernelLaunch', 'recording_launches', 'record_launch',
@@ -26,6 +27,9 @@ class Backend:
     #: dtypes of x read as they are; x of another dtype is first converted to the computation
     #: dtype (float32 or float64)
     input_dtypes = (torch.float32, torch.float64)
+    #: whether the backward pass keeps Eq. 2 per token (:class:`..function.Saved`); a backend
+    #: whose passes form it again wherever they read a token keeps None
+    keeps_token_statistics = True
 
     def supports(self, x, grid, dtype) -> Optional[str]:
         """Why this backend cannot run tokens ``x`` on ``grid`` with statistics in ``dtype``
@@ -71,8 +75,18 @@ class Backend:
 
     def fuses_products(self, x, grid, p_x):
         """Whether the positional products are fused with the passes over the tokens (then
-        ``fused_output`` and ``fused_backward`` replace the staged passes)."""
+        :meth:`fused_forward` and ``fused_backward(g, x, saved, p_y, p_x, ratios, weight, eps,
+        n_var, grid)``, returning the gradients of x, p_y, p_x and the sums (6, C) for the
+        parameters, replace the staged passes)."""
         return False
+
+    def fused_forward(self, x, p_y, p_x, ratios, weight, bias, eps, grid, convention):
+        """y and the :class:`..function.Saved` of the forward pass with the products fused: the
+        statistics pass, then ``fused_output(x, stats, p_y, p_x, ratios, weight, bias, eps,
+        grid)``, unless the backend replaces both."""
+        stats = self.statistics(x, grid, convention)
+        y = self.fused_output(x, stats, p_y, p_x, ratios, weight, bias, eps, grid)
+        return y, Saved(stats.mean_ln, stats.var_ln, stats.centre)
 
     def fuses_cell_products(self, x, grid):
         """Whether, with pooling, the positional products of the cells are formed inside the

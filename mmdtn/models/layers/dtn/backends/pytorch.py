@@ -8,7 +8,7 @@ is the slowest backend: about a dozen kernels per pass, each a trip through memo
 """
 import torch
 
-from ..function import TokenStatistics, define_traced_function, ln_gradient
+from ..function import TokenStatistics, define_traced_function, ln_gradient, ln_statistics
 from .base import Backend
 
 __all__ = ['PyTorchBackend']
@@ -29,10 +29,7 @@ class PyTorchBackend(Backend):
 
     def statistics(self, x, grid, convention):
         B, N, C = x.shape
-        n_var = convention.ln_divisor(C)
-        # Eq. 2: the mean as a sum / C (exact for constant tokens), the variance in two passes
-        mean_ln = x.sum(-1, keepdim=True) / C
-        var_ln = (x - mean_ln).square().sum(-1, keepdim=True) / n_var
+        mean_ln, var_ln = ln_statistics(x, convention.ln_divisor(C))  # Eq. 2
         cell_mean = grid.cell_means(x)
         # rows of P sum to 1: moments about any per-channel constant are exact
         centre = cell_mean.mean(dim=(1, 2), keepdim=True)

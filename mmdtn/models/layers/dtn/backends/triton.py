@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from ..function import Saved, TokenStatistics, define_custom_ops
+from ..function import Saved, TokenStatistics, define_custom_ops, ln_statistics
 from .base import Backend, DenseFactor
 
 try:
@@ -41,6 +41,7 @@ class TritonBackend(Backend):
     name = 'triton'
     devices = ('cuda', )
     input_dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    keeps_token_statistics = False
 
     def __init__(self):
         self.apply = define_custom_ops(self, 'triton')
@@ -63,13 +64,12 @@ class TritonBackend(Backend):
     def factor(self, p):
         return DenseFactor(p)
 
-    def statistics(self, x, grid, convention):
-        n_var = convention.ln_divisor(grid.C)
-        mean_ln, var_ln, cells = kernels.statistics(x, grid, n_var)
-        if not grid.pooled:  # cells: per-image channel sums of the programs
-            centre = (cells.sum(1) / grid.N).view(grid.B, 1, 1, grid.C)
+    def statistics(self, x, grid, convention):  # for analysis: the passes never store Eq. 2
+        mean_ln, var_ln = ln_statistics(x.float(), convention.ln_divisor(grid.C))
+        cells, centre = kernels.statistics(x, grid)
+        if not grid.pooled:
             return TokenStatistics(mean_ln, var_ln, centre, grid.cell_means(x), None)  # a view
-        (cell_mean, cell_var), centre = cells
+        cell_mean, cell_var = cells
         cell_second = None
         if not convention.square_of_pooled:  # the mean of (x - centre)^2 over the cell
             cell_second = cell_var + (cell_mean - centre).square()
@@ -81,28 +81,33 @@ class TritonBackend(Backend):
     def fuses_cell_products(self, x, grid):
         return True
 
+    def fused_forward(self, x, p_y, p_x, ratios, weight, bias, eps, grid, convention):
+        return self._forward(x, p_y, p_x, ratios, weight, bias, eps, grid, convention)
+
     def fused_cell_forward(self, x, p_y, p_x, ratios, weight, bias, eps, grid, convention):
-        n_var = convention.ln_divisor(grid.C)
-        mean_ln, var_ln, (cells, centre) = kernels.statistics(x, grid, n_var)
-        y = kernels.output(x, mean_ln, var_ln, centre, p_y.detach().contiguous(),
-                           p_x.detach().contiguous(), ratios.contiguous(), weight.contiguous(),
-                           bias.contiguous(), eps, grid, cells, convention.square_of_pooled)
-        return y, Saved(mean_ln, var_ln, centre, cells)
+        return self._forward(x, p_y, p_x, ratios, weight, bias, eps, grid, convention)
+
+    def fused_backward(self, g, x, saved, p_y, p_x, ratios, weight, eps, n_var, grid):
+        return self._backward(g, x, saved, p_y, p_x, ratios, weight, eps, n_var, grid)
 
     def fused_cell_backward(self, g, x, saved, p_y, p_x, ratios, weight, eps, n_var, grid,
                             convention):
-        return kernels.fused_backward(g, x, saved.mean_ln, saved.var_ln, saved.centre,
-                                      p_y.detach().contiguous(), p_x.detach().contiguous(),
-                                      ratios.contiguous(), weight.contiguous(), eps, n_var, grid,
-                                      saved.moments, convention.square_of_pooled)
+        return self._backward(g, x, saved, p_y, p_x, ratios, weight, eps, n_var, grid,
+                              convention.square_of_pooled)
 
-    def fused_output(self, x, stats, p_y, p_x, ratios, weight, bias, eps, grid):
-        return kernels.output(x, stats.mean_ln, stats.var_ln, stats.centre.contiguous(),
-                              p_y.detach().contiguous(), p_x.detach().contiguous(),
-                              ratios.contiguous(), weight.contiguous(), bias.contiguous(), eps,
-                              grid)
+    @staticmethod
+    def _forward(x, p_y, p_x, ratios, weight, bias, eps, grid, convention):
+        cells, centre = kernels.statistics(x, grid)
+        y = kernels.output(x, centre, p_y.detach().contiguous(), p_x.detach().contiguous(),
+                           ratios.contiguous(), weight.contiguous(), bias.contiguous(), eps,
+                           convention.ln_divisor(grid.C), grid, cells,
+                           convention.square_of_pooled)
+        return y, Saved(None, None, centre, cells)
 
-    def fused_backward(self, g, x, saved, p_y, p_x, ratios, weight, eps, n_var, grid):
-        return kernels.fused_backward(g, x, saved.mean_ln, saved.var_ln, saved.centre.contiguous(),
-                                      p_y.detach().contiguous(), p_x.detach().contiguous(),
-                                      ratios.contiguous(), weight.contiguous(), eps, n_var, grid)
+    @staticmethod
+    def _backward(g, x, saved, p_y, p_x, ratios, weight, eps, n_var, grid,
+                  square_of_pooled=False):
+        return kernels.fused_backward(g, x, saved.centre.contiguous(), p_y.detach().contiguous(),
+                                      p_x.detach().contiguous(), ratios.contiguous(),
+                                      weight.contiguous(), eps, n_var, grid, saved.moments,
+                                      square_of_pooled)

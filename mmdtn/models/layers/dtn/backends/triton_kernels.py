@@ -5,7 +5,8 @@ Tokens x are (B, N, C) in float16, bfloat16 or float32, read as they are; everyt
 and accumulated in float32, and the outputs have x's dtype. A program holds whole tokens (all C
 channels, ``C_BLOCK`` = the next power of two), so the intra-token statistics of Eq. 2 never leave
 its registers. H, W and N are runtime arguments: a new resolution launches the same compiled
-kernels. Cell tensors (the cell moments, dL/dm) are contiguous (B, Hp, Wp, C) float32 images.
+kernels. Cell tensors (the cell moments, dL/dm) are contiguous (B, Hp, Wp, C) images: the cell
+moments in float32, dL/dm in :func:`cell_gradient_dtype`.
 
 The positional products (Eq. 5, m = P_y (P_x T) by the two factors of P^h) are formed on chip
 inside the passes over the tokens, over the nonzero bands of P_y and P_x: a row of P has about
@@ -21,29 +22,31 @@ The cells are the tokens without pooling (T = (x - centre, (x - centre)^2) read 
 and pool x pool blocks of tokens with pooling (T from the cell moments that :func:`statistics`
 writes once, float32: the cell mean and the mean of squares about it; the second moment about
 the centre is that plus the squared mean about the centre, or, in the reference code's
-convention, the square of the pooled mean alone). Forward: :func:`statistics` (Eq. 2 per token
-and the cell moments in one read of x), then :func:`output`, which reads each token's band of
-cells, cached, and forms u = P_x T for the rows of the band and m = P_y u in registers before x
-is read again for y (Eqs. 4-5): x read twice and y written once, plus, with pooling, the cell
-moments written once and read once.
+convention, the square of the pooled mean alone). Eq. 2 is never stored: a program holds whole
+tokens, and every pass that reads a token forms its mean and variance again. Forward:
+:func:`statistics` (the cell moments, or without pooling only the centre, in one read of x), then
+:func:`output`, which reads each token's band of cells, cached, and forms u = P_x T for the rows
+of the band and m = P_y u in registers before x is read again for y (Eqs. 2, 4, 5): x read twice
+and y written once, plus, with pooling, the cell moments written once and read once.
 
-Backward, :func:`fused_backward` passes one tensor between two passes, dL/dm (two float32 values
-per cell and channel), since dL/dT of a cell needs dL/dm of its whole band. Pass 1 (a program per
-token row, or with pooling per CELLS cells of a cell row, walking their tokens) forms m again,
-writes dL/dm (with pooling the sum over the cell's tokens) and the sums for the parameters
-(written per program and added up afterwards in a fixed order: no float atomics), then reads its
-dL/dm back from cache for its share of the gradient of P_y (sum of dL/dm u over the band's rows of
-u). Pass 2 (a program per column tile of tokens, walking the token rows) forms
-dL/du = P_y^T dL/dm and dL/dT = P_x^T dL/du over the bands, and dx (the per-token terms formed
-again instead of stored), and adds up its cells' columns of the gradient of P_x in place (the
-program holding a cell's first token column owns them: deterministic, no atomics). The gradients
-of P are exact on the bands and zero elsewhere, where P is an exact zero and the softmax passes
-no gradient; they are written per image (and program) and added up afterwards. Without pooling
-backward moves about 5 C e + 16 C bytes per token: dL/dm, which only a recomputation of m over the
-band of every neighbour (the band squared) would avoid, is most of it; with pooling dL/dm and
-the cell moments are pool^2 times smaller, and what both passes read beyond the bound of a design
-fused as far as the math allows (tools/analysis/benchmark_norm.py) is the cell moments, once
-more, and the per-program sums.
+Backward, :func:`fused_backward` passes one tensor between two passes, dL/dm (two values per cell
+and channel: float32 for float32 tokens; for 16-bit tokens float16, each cell's values divided by
+their largest magnitude, which is kept in float32), since dL/dT of a cell needs dL/dm of its whole
+band. Pass 1 (a program per token row, or with pooling per CELLS_PER_PROGRAM cells of a cell row,
+walking their tokens) forms m again, writes dL/dm (with pooling the sum over the cell's tokens) and
+the sums for the parameters (written per program and added up afterwards in a fixed order: no float
+atomics), then reads its dL/dm back from cache for its share of the gradient of P_y (sum of dL/dm u
+over the band's rows of u). Pass 2 (a program per column tile of tokens, walking the token rows)
+forms dL/du = P_y^T dL/dm and dL/dT = P_x^T dL/du over the bands, and dx (the per-token terms
+formed again instead of stored), and adds up its cells' columns of the gradient of P_x in place
+(the program holding a cell's first token column owns them: deterministic, no atomics). The
+gradients of P are exact on the bands and zero elsewhere, where P is an exact zero and the softmax
+passes no gradient; they are written per image (and program) and added up afterwards. Without
+pooling backward moves about 5 C e + 4 C f bytes per token (f bytes per value of dL/dm, 4 or 2):
+dL/dm, which only a recomputation of m over the band of every neighbour (the band squared) would
+avoid, is most of the rest; with pooling dL/dm and the cell moments are pool^2 times smaller, and
+what both passes read beyond the bound of a design fused as far as the math allows
+(tools/analysis/benchmark_norm.py) is the per-program sums.
 
 Every launch is recorded with the bytes of its operands (:func:`.base.record_launch`); with meta
 tensors the launches are only recorded, which gives the traffic of any shape without a GPU.
@@ -54,8 +57,8 @@ import triton.language as tl
 
 from .base import record_launch
 
-__all__ = ['statistics', 'output', 'fused_backward', 'specializations', 'TOKEN_POINTERS',
-           'INDEX_POINTERS', 'spans']
+__all__ = ['statistics', 'output', 'fused_backward', 'specializations', 'cell_gradient_dtype',
+           'TOKEN_POINTERS', 'GRADIENT_POINTERS', 'INDEX_POINTERS', 'spans']
 
 #: Elements of a token tile (TILE tokens x C_BLOCK channels) per thread of a program: a pass holds
 #: several such tiles (x, dL/dy, the cell statistics, ...) in registers.
@@ -63,8 +66,11 @@ ELEMENTS_PER_THREAD = 8
 #: Tokens a program of the per-token passes without pooling covers (its partial sums are
 #: written once: more tokens per program, fewer partial sums to add up).
 TOKENS_PER_PROGRAM = 256
-#: Cells of one cell row a program of the passes with pooling covers.
-CELLS_PER_PROGRAM = 8
+#: Cells of one cell row a program of the passes with pooling covers: its partial sums are
+#: written once.
+CELLS_PER_PROGRAM = 16
+#: Cells whose products the backward pass with pooling forms at once, in registers.
+CELLS_PER_TILE = 8
 #: Entries of a row of a positional factor one step of the search for its nonzero span reads.
 SPAN_BLOCK = 128
 
@@ -73,10 +79,20 @@ def _bytes(*tensors):
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-#: Pointer arguments of the kernels to tensors of the tokens' dtype, and to int32 tensors (the
-#: nonzero spans of the positional factors); all others are float32.
+#: Pointer arguments of the kernels to tensors of the tokens' dtype, to dL/dm (of
+#: :func:`cell_gradient_dtype`), and to int32 tensors (the nonzero spans of the positional
+#: factors); all others are float32.
 TOKEN_POINTERS = ('x_ptr', 'g_ptr', 'y_ptr', 'dx_ptr')
+GRADIENT_POINTERS = ('dm_first_ptr', 'dm_second_ptr')
 INDEX_POINTERS = ('spans_ptr', 'span_y_ptr', 'span_x_ptr')
+
+
+def cell_gradient_dtype(dtype):
+    """The dtype dL/dm is passed between the backward passes in for tokens of ``dtype``: float32
+    for float32 tokens; for 16-bit tokens float16 scaled per cell (:func:`_store_gradient`),
+    which keeps 11 significant bits of every cell's largest value, more than bfloat16 tokens
+    have, at half the bytes of float32."""
+    return torch.float32 if dtype == torch.float32 else torch.float16
 
 
 def _launch(name, spec, grid, reads, writes, *args):
@@ -162,31 +178,27 @@ def _channel_rows(ratios_ptr, weight_ptr, C, C_BLOCK: tl.constexpr):
 
 # ---------------------------------------------------------------------------- statistics
 @triton.jit(do_not_specialize=['N', 'C'])
-def _token_statistics_kernel(x_ptr, mean_ptr, var_ptr, partial_ptr, N, C, n_var,
-                             TILE: tl.constexpr, TILES: tl.constexpr, C_BLOCK: tl.constexpr):
-    """Without pooling: Eq. 2 for TILE * TILES tokens of image b, and their sum per channel."""
+def _token_sums_kernel(x_ptr, partial_ptr, N, C, TILE: tl.constexpr, TILES: tl.constexpr,
+                       C_BLOCK: tl.constexpr):
+    """Without pooling: the sum per channel of TILE * TILES tokens of image b (for the centre)."""
     b, p = tl.program_id(0), tl.program_id(1)
     cols = tl.arange(0, C_BLOCK)
     total = tl.zeros([C_BLOCK], tl.float32)
     for t in range(TILES):
         tokens = (p * TILES + t) * TILE + tl.arange(0, TILE)
         valid = tokens < N
-        x, mask = _load_tokens(_image(x_ptr, b, N * C), tokens, valid, C, C_BLOCK)
-        mean, var = _ln_statistics(x, mask, C, n_var)
-        tl.store(_image(mean_ptr, b, N) + tokens, mean, mask=valid)
-        tl.store(_image(var_ptr, b, N) + tokens, var, mask=valid)
+        x, _ = _load_tokens(_image(x_ptr, b, N * C), tokens, valid, C, C_BLOCK)
         total += tl.sum(x, axis=0)
     tl.store(partial_ptr + (b * tl.num_programs(1) + p).to(tl.int64) * C + cols, total,
              mask=cols < C)
 
 
 @triton.jit(do_not_specialize=['H', 'W', 'C'])
-def _cell_statistics_kernel(x_ptr, mean_ptr, var_ptr, cell_mean_ptr, cell_var_ptr, partial_ptr,
-                            H, W, C, pool, n_var, CELLS: tl.constexpr, S_BLOCK: tl.constexpr,
-                            C_BLOCK: tl.constexpr):
-    """With pooling: Eq. 2 for the tokens of CELLS cells of cell row ci of image b, per cell the
-    mean of x and the mean of squares about it (rows merged as in Chan et al.), and the sum of
-    the cell means (for the centre)."""
+def _cell_statistics_kernel(x_ptr, cell_mean_ptr, cell_var_ptr, partial_ptr, H, W, C, pool,
+                            CELLS: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
+    """With pooling: for CELLS cells of cell row ci of image b the mean of x and the mean of
+    squares about it (rows merged as in Chan et al.), and the sum of the cell means (for the
+    centre)."""
     row, block = tl.program_id(0), tl.program_id(1)
     Hp, Wp = (H + pool - 1) // pool, (W + pool - 1) // pool
     b, ci = row // Hp, row % Hp
@@ -202,9 +214,6 @@ def _cell_statistics_kernel(x_ptr, mean_ptr, var_ptr, cell_mean_ptr, cell_var_pt
             for r in range(0, pool):
                 tokens, valid = _cell_row(ci, cj, r, pool, H, W, S_BLOCK)
                 x, mask = _load_tokens(x_image, tokens, valid, C, C_BLOCK)
-                mu, var = _ln_statistics(x, mask, C, n_var)
-                tl.store(_image(mean_ptr, b, H * W) + tokens, mu, mask=valid)
-                tl.store(_image(var_ptr, b, H * W) + tokens, var, mask=valid)
                 n = tl.sum(valid.to(tl.float32), axis=0)
                 row_mean = tl.sum(x, axis=0) / tl.maximum(n, 1.0)
                 diff = tl.where(mask, x - row_mean[None, :], 0.0)
@@ -223,29 +232,26 @@ def _cell_statistics_kernel(x_ptr, mean_ptr, var_ptr, cell_mean_ptr, cell_var_pt
              total_mean, mask=cols < C)
 
 
-def statistics(x, grid, n_var):
-    """Eq. 2 per token, float32 (B, N, 1) each, and the cell moments of x: without pooling the
-    per-image channel sums (B, P, C) of P programs; with pooling the cell means and the means of
-    squares about them, (2, B, Hp, Wp, C), and the centre (B, 1, 1, C), the mean of the cell
-    means."""
+def statistics(x, grid):
+    """The cell moments of x and the centre (B, 1, 1, C), the mean of the cell means: without
+    pooling (the cells are the tokens) None and the mean of the tokens; with pooling the cell
+    means and the means of squares about them, float32 (2, B, Hp, Wp, C). Eq. 2 is formed again
+    by every pass that reads a token (all its channels are in one program): it is never
+    stored."""
     B, N, C = x.shape
     f32 = dict(dtype=torch.float32, device=x.device)
-    mean_ln, var_ln = torch.empty(B, N, 1, **f32), torch.empty(B, N, 1, **f32)
     spec = _statistics_spec(C, grid.pool)
     if not grid.pooled:
         programs = triton.cdiv(N, _tile(C) * _tiles(C))
         partial = torch.empty(B, programs, C, **f32)
-        _launch('triton.token_statistics', spec, (B, programs), [x], [mean_ln, var_ln, partial],
-                x, mean_ln, var_ln, partial, N, C, float(n_var))
-        return mean_ln, var_ln, partial
+        _launch('triton.token_sums', spec, (B, programs), [x], [partial], x, partial, N, C)
+        return None, (partial.sum(1) / N).view(B, 1, 1, C)
     cells = torch.empty(2, B, grid.Hp, grid.Wp, C, **f32)
     programs = (B * grid.Hp, triton.cdiv(grid.Wp, CELLS_PER_PROGRAM))
     partial = torch.empty(B, grid.Hp * programs[1], C, **f32)
-    _launch('triton.cell_statistics', spec, programs, [x], [mean_ln, var_ln, cells, partial], x,
-            mean_ln, var_ln, cells[0], cells[1], partial, grid.H, grid.W, C, grid.pool,
-            float(n_var))
-    centre = (partial.sum(1) / (grid.Hp * grid.Wp)).view(B, 1, 1, C)
-    return mean_ln, var_ln, (cells, centre)
+    _launch('triton.cell_statistics', spec, programs, [x], [cells, partial], x, cells[0],
+            cells[1], partial, grid.H, grid.W, C, grid.pool)
+    return cells, (partial.sum(1) / (grid.Hp * grid.Wp)).view(B, 1, 1, C)
 
 
 def _cells_spec(cell_kernel, C, pool):
@@ -256,21 +262,20 @@ def _cells_spec(cell_kernel, C, pool):
 
 def _statistics_spec(C, pool):
     if pool == 1:  # walks the tokens of an image
-        return (_token_statistics_kernel, dict(TILE=_tile(C), TILES=_tiles(C), C_BLOCK=_c_block(C)),
+        return (_token_sums_kernel, dict(TILE=_tile(C), TILES=_tiles(C), C_BLOCK=_c_block(C)),
                 _warps(C))
     return _cells_spec(_cell_statistics_kernel, C, pool)
 
 
 # ---------------------------------------------------------------------------- output
 @triton.jit
-def _store_output(y_ptr, mean_ptr, var_ptr, ratios_ptr, weight_ptr, bias_ptr, b, N, C, tokens,
-                  valid, x, mask, first, var_it, centre, eps, C_BLOCK: tl.constexpr):
-    """Eqs. 4 and 5 for ``tokens`` of image b given the inter-token statistics: y stored."""
+def _store_output(y_ptr, ratios_ptr, weight_ptr, bias_ptr, b, N, C, tokens, x, mask, first,
+                  var_it, centre, eps, n_var, C_BLOCK: tl.constexpr):
+    """Eqs. 2, 4 and 5 for ``tokens`` of image b given the inter-token statistics: y stored."""
     cols = tl.arange(0, C_BLOCK)
     lam_m, kap_m, lam_v, kap_v, weight = _channel_rows(ratios_ptr, weight_ptr, C, C_BLOCK)
     bias = tl.load(bias_ptr + cols, mask=cols < C, other=0.0)[None, :]
-    mean_ln = tl.load(_image(mean_ptr, b, N) + tokens, mask=valid, other=0.0)
-    var_ln = tl.load(_image(var_ptr, b, N) + tokens, mask=valid, other=0.0)
+    mean_ln, var_ln = _ln_statistics(x, mask, C, n_var)
     _, xhat = _normalised(x, mean_ln, var_ln, first, var_it, centre, lam_m, kap_m, lam_v, kap_v,
                           eps)
     y = xhat * weight + bias
@@ -378,10 +383,10 @@ def _banded_moments(mean_image, spread_image, centre, p_y_ptr, p_x_ptr, span_y_p
 
 
 @triton.jit(do_not_specialize=['H', 'W', 'C'])
-def _output_kernel(x_ptr, mean_ptr, var_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr, p_y_ptr,
-                   p_x_ptr, span_y_ptr, span_x_ptr, ratios_ptr, weight_ptr, bias_ptr, y_ptr, H, W,
-                   C, pool, d, eps, POOLED: tl.constexpr, SPREAD: tl.constexpr,
-                   TILE: tl.constexpr, C_BLOCK: tl.constexpr):
+def _output_kernel(x_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr, p_y_ptr, p_x_ptr, span_y_ptr,
+                   span_x_ptr, ratios_ptr, weight_ptr, bias_ptr, y_ptr, H, W, C, pool, d, eps,
+                   n_var, POOLED: tl.constexpr, SPREAD: tl.constexpr, TILE: tl.constexpr,
+                   C_BLOCK: tl.constexpr):
     """Eqs. 4 and 5 for TILE tokens of token row i of image b, the positional products of their
     cells (the tokens themselves without pooling) formed on chip from the band of cell moments
     (:func:`_banded_moments`) before x is loaded."""
@@ -406,26 +411,25 @@ def _output_kernel(x_ptr, mean_ptr, var_ptr, cell_mean_ptr, cell_var_ptr, centre
                                     Wp, C, d, SPREAD, C_BLOCK)
     x, _ = _load_tokens(x_image, tokens, valid, C, C_BLOCK)
     var_it = tl.maximum(second - first * first, 0.0)
-    _store_output(y_ptr, mean_ptr, var_ptr, ratios_ptr, weight_ptr, bias_ptr, b, H * W, C,
-                  tokens, valid, x, mask, first, var_it, centre[None, :], eps, C_BLOCK)
+    _store_output(y_ptr, ratios_ptr, weight_ptr, bias_ptr, b, H * W, C, tokens, x, mask, first,
+                  var_it, centre[None, :], eps, n_var, C_BLOCK)
 
 
-def output(x, mean_ln, var_ln, centre, p_y, p_x, ratios, weight, bias, eps, grid, cells=None,
+def output(x, centre, p_y, p_x, ratios, weight, bias, eps, n_var, grid, cells=None,
            square_of_pooled=False):
-    """y (x's shape and dtype) from x, Eq. 2 and the factors p_y (heads, Hp, Hp), p_x (heads, Wp,
-    Wp), the products formed on chip over their nonzero bands; with pooling from the cell
-    moments ``cells`` of :func:`statistics`."""
+    """y (x's shape and dtype) from x, the centre and the factors p_y (heads, Hp, Hp), p_x (heads,
+    Wp, Wp), the products formed on chip over their nonzero bands; with pooling from the cell
+    moments ``cells`` of :func:`statistics`. n_var: the divisor of Eq. 2's variance."""
     B, N, C = x.shape
     span_y, span_x = spans(p_y), spans(p_x)
     y = x.new_empty(x.shape)
     cell_args = [] if cells is None else [cells[0], cells[1]]
-    reads = [x, mean_ln, var_ln, *cell_args, centre, p_y, p_x, span_y, span_x, ratios, weight,
-             bias]
-    cell_pointers = cell_args or [mean_ln, mean_ln]  # without pooling: not read
+    reads = [x, *cell_args, centre, p_y, p_x, span_y, span_x, ratios, weight, bias]
+    cell_pointers = cell_args or [centre, centre]  # without pooling: not read
     _launch('triton.output', _output_spec(C, grid.pooled, not square_of_pooled),
-            (B * grid.H, triton.cdiv(grid.W, _tile(C))), reads, [y], x, mean_ln, var_ln,
-            *cell_pointers, centre, p_y, p_x, span_y, span_x, ratios, weight, bias, y, grid.H,
-            grid.W, C, grid.pool, grid.d, float(eps))
+            (B * grid.H, triton.cdiv(grid.W, _tile(C))), reads, [y], x, *cell_pointers, centre,
+            p_y, p_x, span_y, span_x, ratios, weight, bias, y, grid.H, grid.W, C, grid.pool,
+            grid.d, float(eps), float(n_var))
     return y
 
 
@@ -450,6 +454,16 @@ def _zero_sums(C_BLOCK: tl.constexpr):
     """The six sums of a program (see :func:`_store_sums`), zero."""
     zero = tl.zeros([C_BLOCK], tl.float32)
     return zero, zero, zero, zero, zero, zero
+
+
+@triton.jit
+def _add(total, carry, value):
+    """total + value by Neumaier's compensated summation: the rounding error of every addition is
+    collected in ``carry``, added to the total once at the end. Sums over many tokens that nearly
+    cancel (the gradient of a bias whose dL/dy averages zero) keep float32's relative accuracy."""
+    new = total + value
+    error = tl.where(tl.abs(total) >= tl.abs(value), (total - new) + value, (value - new) + total)
+    return new, carry + error
 
 
 @triton.jit
@@ -486,8 +500,29 @@ def _cell_gradient(first, var_it, d1, d2, kap_m, kap_v):
 
 
 @triton.jit
-def _rows_gradient(grad_ptr, dm_first_image, dm_second_image, mean_image, spread_image, centre,
-                   p_x_ptr, span_y_ptr, span_x_ptr, i, j_start, j_stop, H, W, C, d, heads,
+def _store_gradient(dm_image, scale_image, cells, valid, dm, mask, C, C_BLOCK: tl.constexpr):
+    """dL/dm [CELLS, C_BLOCK] of ``cells`` stored in dm_image's dtype as dm / s, with s per cell
+    the largest |dL/dm| over its channels (1 where all are 0), s stored in scale_image (float32):
+    in float16, 11 significant bits of each cell's largest value at any magnitude."""
+    cols = tl.arange(0, C_BLOCK)
+    largest = tl.max(tl.where(mask, tl.abs(dm), 0.0), axis=1)
+    scale = tl.where(largest > 0, largest, 1.0)
+    tl.store(dm_image + cells[:, None] * C + cols[None, :],
+             (dm / scale[:, None]).to(dm_image.dtype.element_ty), mask=mask)
+    tl.store(scale_image + cells, scale, mask=valid)
+
+
+@triton.jit
+def _load_gradient(dm_image, scale_image, cells, valid, mask, C, C_BLOCK: tl.constexpr):
+    """dL/dm [CELLS, C_BLOCK] of ``cells`` as :func:`_store_gradient` stored it, in float32."""
+    cols = tl.arange(0, C_BLOCK)
+    dm = tl.load(dm_image + cells[:, None] * C + cols[None, :], mask=mask, other=0.0)
+    return dm.to(tl.float32) * tl.load(scale_image + cells, mask=valid, other=0.0)[:, None]
+
+
+@triton.jit
+def _rows_gradient(grad_ptr, dm_images, scale_images, mean_image, spread_image, centre, p_x_ptr,
+                   span_y_ptr, span_x_ptr, i, j_start, j_stop, H, W, C, d, heads,
                    SPREAD: tl.constexpr, TILE: tl.constexpr, C_BLOCK: tl.constexpr):
     """The share of columns [j_start, j_stop) of row i (of tokens, or of cells) in the gradient
     of P_y (heads, H, H) at ``grad_ptr`` + h H^2 + i2 for every i2: sum over them and each
@@ -509,24 +544,26 @@ def _rows_gradient(grad_ptr, dm_first_image, dm_second_image, mean_image, spread
                 u_first, u_second = _row_products(mean_image, spread_image, centre, p_x_ptr,
                                                   p_x_rows, i2, lo_x, hi_x, mask, W, C, SPREAD,
                                                   C_BLOCK)
-                offsets = (i * W + j)[:, None] * C + cols[None, :]
-                dm_first = tl.load(dm_first_image + offsets, mask=mask, other=0.0)
-                dm_second = tl.load(dm_second_image + offsets, mask=mask, other=0.0)
+                dm_first = _load_gradient(dm_images[0], scale_images[0], i * W + j, valid, mask,
+                                          C, C_BLOCK)
+                dm_second = _load_gradient(dm_images[1], scale_images[1], i * W + j, valid, mask,
+                                           C, C_BLOCK)
                 total += tl.sum(dm_first * u_first + dm_second * u_second, axis=0)
         for h in range(heads):
             tl.store(grad_ptr + h * H * H + i2, tl.sum(tl.where(head == h, total, 0.0), axis=0))
 
 
 @triton.jit(do_not_specialize=['H', 'W', 'C'])
-def _cell_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, cell_mean_ptr, cell_var_ptr,
-                           centre_ptr, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, ratios_ptr,
-                           weight_ptr, dm_first_ptr, dm_second_ptr, grad_p_y_ptr, partial_ptr, H,
-                           W, C, pool, d, heads, eps, SPREAD: tl.constexpr, CELLS: tl.constexpr,
-                           S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
-    """With pooling, backward pass 1 for CELLS cells of cell row ci of image b: with m of every
-    cell formed on chip from the band of cell moments, dL/dm of the cells (written) from the sums
-    of D1 and D2 over their tokens, and the sums for the parameters; then the cells' share of
-    the gradient of P_y (:func:`_rows_gradient`)."""
+def _cell_gradients_kernel(g_ptr, x_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr, p_y_ptr,
+                           p_x_ptr, span_y_ptr, span_x_ptr, ratios_ptr, weight_ptr, dm_first_ptr,
+                           dm_second_ptr, scale_first_ptr, scale_second_ptr, grad_p_y_ptr,
+                           partial_ptr, H, W, C, pool, d, heads, eps, n_var, SPREAD: tl.constexpr,
+                           CELLS: tl.constexpr, TILES: tl.constexpr, S_BLOCK: tl.constexpr,
+                           C_BLOCK: tl.constexpr):
+    """With pooling, backward pass 1 for TILES tiles of CELLS cells of cell row ci of image b:
+    with m of a tile's cells formed on chip from the band of cell moments, dL/dm of the cells
+    (written) from the sums of D1 and D2 over their tokens, and the sums for the parameters; then
+    the cells' share of the gradient of P_y (:func:`_rows_gradient`)."""
     row, block = tl.program_id(0), tl.program_id(1)
     Hp, Wp = (H + pool - 1) // pool, (W + pool - 1) // pool
     b, ci = row // Hp, row % Hp
@@ -536,76 +573,82 @@ def _cell_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, cell_mean_ptr, cell_
                                                                   weight_ptr, b, C, C_BLOCK)
     cells = _image(cell_mean_ptr, b, Hp * Wp * C), _image(cell_var_ptr, b, Hp * Wp * C)
     dm_images = _image(dm_first_ptr, b, Hp * Wp * C), _image(dm_second_ptr, b, Hp * Wp * C)
+    scale_images = _image(scale_first_ptr, b, Hp * Wp), _image(scale_second_ptr, b, Hp * Wp)
+    x_image, g_image = _image(x_ptr, b, H * W * C), _image(g_ptr, b, H * W * C)
     s_xg, s_g, s_mu, s_var, s_mit, s_vit = _zero_sums(C_BLOCK)
-    cjs = block * CELLS + tl.arange(0, CELLS)
-    firsts, seconds = _banded_moments(cells[0], cells[1], centre, p_y_ptr, p_x_ptr, span_y_ptr,
-                                      span_x_ptr, ci, cjs, cjs < Wp,
-                                      (cjs < Wp)[:, None] & cmask[None, :], Hp, Wp, C, d, SPREAD,
-                                      C_BLOCK)
-    var_its = tl.maximum(seconds - firsts * firsts, 0.0)
-    for c in range(CELLS):
-        cj = block * CELLS + c
-        if cj < Wp:
-            # the cell's m as one row [1, C_BLOCK], broadcast over its tokens
-            pick = (tl.arange(0, CELLS) == c)[:, None]
-            first = tl.sum(tl.where(pick, firsts, 0.0), axis=0)
-            var_it = tl.sum(tl.where(pick, var_its, 0.0), axis=0)
-            cell_d1 = tl.zeros([C_BLOCK], tl.float32)
-            cell_d2 = tl.zeros([C_BLOCK], tl.float32)
-            for r in range(0, pool):
-                tokens, valid = _cell_row(ci, cj, r, pool, H, W, S_BLOCK)
-                x, mask = _load_tokens(_image(x_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
-                g, _ = _load_tokens(_image(g_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
-                mean_ln = tl.load(_image(mean_ptr, b, H * W) + tokens, mask=valid, other=0.0)
-                var_ln = tl.load(_image(var_ptr, b, H * W) + tokens, mask=valid, other=0.0)
-                d1, d2, xg = _token_terms(x, g, mean_ln, var_ln, first[None, :],
-                                          var_it[None, :], centre[None, :], lam_m, kap_m, lam_v,
-                                          kap_v, weight, eps)
-                d1, d2 = tl.where(mask, d1, 0.0), tl.where(mask, d2, 0.0)
-                cell_d1 += tl.sum(d1, axis=0)
-                cell_d2 += tl.sum(d2, axis=0)
-                s_xg += tl.sum(tl.where(mask, xg, 0.0), axis=0)
-                s_g += tl.sum(g, axis=0)
-                s_mu += tl.sum(mean_ln[:, None] * d1, axis=0)
-                s_var += tl.sum(var_ln[:, None] * d2, axis=0)
-            s_mit += (first + centre) * cell_d1
-            s_vit += var_it * cell_d2
-            dm_first, dm_second = _cell_gradient(first, var_it, cell_d1, cell_d2,
-                                                 tl.reshape(kap_m, [C_BLOCK]),
-                                                 tl.reshape(kap_v, [C_BLOCK]))
-            out = (ci * Wp + cj) * C + cols
-            tl.store(dm_images[0] + out, dm_first, mask=cmask)
-            tl.store(dm_images[1] + out, dm_second, mask=cmask)
-    _store_sums(partial_ptr, row * tl.num_programs(1) + block, C, s_xg, s_g, s_mu, s_var, s_mit,
-                s_vit, C_BLOCK)
+    c_xg, c_g, c_mu, c_var, c_mit, c_vit = _zero_sums(C_BLOCK)  # their compensations (_add)
+    for tile in range(TILES):
+        start = (block * TILES + tile) * CELLS
+        cjs = start + tl.arange(0, CELLS)
+        firsts, seconds = _banded_moments(cells[0], cells[1], centre, p_y_ptr, p_x_ptr,
+                                          span_y_ptr, span_x_ptr, ci, cjs, cjs < Wp,
+                                          (cjs < Wp)[:, None] & cmask[None, :], Hp, Wp, C, d,
+                                          SPREAD, C_BLOCK)
+        var_its = tl.maximum(seconds - firsts * firsts, 0.0)
+        for c in range(CELLS):
+            cj = start + c
+            if cj < Wp:
+                # the cell's m as one row [1, C_BLOCK], broadcast over its tokens
+                pick = (tl.arange(0, CELLS) == c)[:, None]
+                first = tl.sum(tl.where(pick, firsts, 0.0), axis=0)
+                var_it = tl.sum(tl.where(pick, var_its, 0.0), axis=0)
+                cell_d1 = tl.zeros([C_BLOCK], tl.float32)
+                cell_d2 = tl.zeros([C_BLOCK], tl.float32)
+                for r in range(0, pool):
+                    tokens, valid = _cell_row(ci, cj, r, pool, H, W, S_BLOCK)
+                    x, mask = _load_tokens(x_image, tokens, valid, C, C_BLOCK)
+                    g, _ = _load_tokens(g_image, tokens, valid, C, C_BLOCK)
+                    mean_ln, var_ln = _ln_statistics(x, mask, C, n_var)
+                    d1, d2, xg = _token_terms(x, g, mean_ln, var_ln, first[None, :],
+                                              var_it[None, :], centre[None, :], lam_m, kap_m,
+                                              lam_v, kap_v, weight, eps)
+                    d1, d2 = tl.where(mask, d1, 0.0), tl.where(mask, d2, 0.0)
+                    cell_d1 += tl.sum(d1, axis=0)
+                    cell_d2 += tl.sum(d2, axis=0)
+                    s_xg, c_xg = _add(s_xg, c_xg, tl.sum(tl.where(mask, xg, 0.0), axis=0))
+                    s_g, c_g = _add(s_g, c_g, tl.sum(g, axis=0))
+                    s_mu, c_mu = _add(s_mu, c_mu, tl.sum(mean_ln[:, None] * d1, axis=0))
+                    s_var, c_var = _add(s_var, c_var, tl.sum(var_ln[:, None] * d2, axis=0))
+                s_mit, c_mit = _add(s_mit, c_mit, (first + centre) * cell_d1)
+                s_vit, c_vit = _add(s_vit, c_vit, var_it * cell_d2)
+                dm_first, dm_second = _cell_gradient(first, var_it, cell_d1, cell_d2,
+                                                     tl.reshape(kap_m, [C_BLOCK]),
+                                                     tl.reshape(kap_v, [C_BLOCK]))
+                cell = ci * Wp + cj + tl.zeros([1], tl.int32)
+                _store_gradient(dm_images[0], scale_images[0], cell, cell >= 0,
+                                dm_first[None, :], cmask[None, :], C, C_BLOCK)
+                _store_gradient(dm_images[1], scale_images[1], cell, cell >= 0,
+                                dm_second[None, :], cmask[None, :], C, C_BLOCK)
+    _store_sums(partial_ptr, row * tl.num_programs(1) + block, C, s_xg + c_xg, s_g + c_g,
+                s_mu + c_mu, s_var + c_var, s_mit + c_mit, s_vit + c_vit, C_BLOCK)
     tl.debug_barrier()  # dL/dm of the cells, written above, is read back below
     image_block = b * tl.num_programs(1) + block
-    _rows_gradient(grad_p_y_ptr + (image_block * heads * Hp + ci) * Hp, dm_images[0],
-                   dm_images[1], cells[0], cells[1], centre, p_x_ptr, span_y_ptr, span_x_ptr, ci,
-                   block * CELLS, tl.minimum(block * CELLS + CELLS, Wp), Hp, Wp, C, d, heads,
-                   SPREAD, CELLS, C_BLOCK)
+    _rows_gradient(grad_p_y_ptr + (image_block * heads * Hp + ci) * Hp, dm_images,
+                   scale_images, cells[0], cells[1], centre, p_x_ptr, span_y_ptr, span_x_ptr, ci,
+                   block * TILES * CELLS, tl.minimum((block + 1) * TILES * CELLS, Wp), Hp, Wp, C,
+                   d, heads, SPREAD, CELLS, C_BLOCK)
 
 
 def _cell_gradients_spec(C, pool, spread):
-    return (_cell_gradients_kernel, dict(SPREAD=spread, CELLS=CELLS_PER_PROGRAM,
+    return (_cell_gradients_kernel, dict(SPREAD=spread, CELLS=CELLS_PER_TILE,
+                                         TILES=CELLS_PER_PROGRAM // CELLS_PER_TILE,
                                          S_BLOCK=triton.next_power_of_2(pool),
                                          C_BLOCK=_c_block(C)), _warps(C))
 
 
 # ---------------------------------------------------------------------------- fused backward
 @triton.jit
-def _fused_token_terms(x_ptr, g_ptr, mean_ptr, var_ptr, mean_image, spread_image, centre,
-                       p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, lam_m, kap_m, lam_v, kap_v,
-                       weight, b, i, j, ci, cj, valid, H, W, Hp, Wp, C, d, eps,
-                       SPREAD: tl.constexpr, C_BLOCK: tl.constexpr):
+def _fused_token_terms(x_ptr, g_ptr, mean_image, spread_image, centre, p_y_ptr, p_x_ptr,
+                       span_y_ptr, span_x_ptr, lam_m, kap_m, lam_v, kap_v, weight, b, i, j, ci, cj,
+                       valid, H, W, Hp, Wp, C, d, eps, n_var, SPREAD: tl.constexpr,
+                       C_BLOCK: tl.constexpr):
     """The tokens (i, j) of image b, in the cells (ci, cj) of the Hp x Wp grid (the tokens
     themselves without pooling): x and its mask, dL/dy, Eq. 2, P^h T_0 and the inter-token
     variance (m formed on chip), D1 and D2 (zero outside the mask) and xhat g."""
     tokens = i * W + j
     x, mask = _load_tokens(_image(x_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
     g, _ = _load_tokens(_image(g_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
-    mean_ln = tl.load(_image(mean_ptr, b, H * W) + tokens, mask=valid, other=0.0)
-    var_ln = tl.load(_image(var_ptr, b, H * W) + tokens, mask=valid, other=0.0)
+    mean_ln, var_ln = _ln_statistics(x, mask, C, n_var)
     first, second = _banded_moments(mean_image, spread_image, centre, p_y_ptr, p_x_ptr,
                                     span_y_ptr, span_x_ptr, ci, cj, valid, mask, Hp, Wp, C, d,
                                     SPREAD, C_BLOCK)
@@ -617,52 +660,55 @@ def _fused_token_terms(x_ptr, g_ptr, mean_ptr, var_ptr, mean_image, spread_image
 
 
 @triton.jit(do_not_specialize=['H', 'W', 'C'])
-def _token_gradients_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, centre_ptr, p_y_ptr, p_x_ptr,
+def _token_gradients_kernel(g_ptr, x_ptr, centre_ptr, p_y_ptr, p_x_ptr,
                             span_y_ptr, span_x_ptr, ratios_ptr, weight_ptr, dm_first_ptr,
-                            dm_second_ptr, grad_p_y_ptr, partial_ptr, H, W, C, d, heads, eps,
-                            TILE: tl.constexpr, C_BLOCK: tl.constexpr):
+                            dm_second_ptr, scale_first_ptr, scale_second_ptr, grad_p_y_ptr,
+                            partial_ptr, H, W, C, d, heads, eps, n_var, TILE: tl.constexpr,
+                            C_BLOCK: tl.constexpr):
     """Without pooling, backward pass 1 for token row i of image b: with m formed on chip, dL/dm
     of its tokens (written) and their sums for the parameters; then row i of image b's share of
     the gradient of P_y (:func:`_rows_gradient`)."""
     row = tl.program_id(0)
     b, i = row // H, row % H
-    cols = tl.arange(0, C_BLOCK)
     centre, lam_m, kap_m, lam_v, kap_v, weight = _image_constants(centre_ptr, ratios_ptr,
                                                                   weight_ptr, b, C, C_BLOCK)
     x_image = _image(x_ptr, b, H * W * C)
     dm_images = _image(dm_first_ptr, b, H * W * C), _image(dm_second_ptr, b, H * W * C)
+    scale_images = _image(scale_first_ptr, b, H * W), _image(scale_second_ptr, b, H * W)
     s_xg, s_g, s_mu, s_var, s_mit, s_vit = _zero_sums(C_BLOCK)
+    c_xg, c_g, c_mu, c_var, c_mit, c_vit = _zero_sums(C_BLOCK)  # their compensations (_add)
     for start in range(0, W, TILE):
         j = start + tl.arange(0, TILE)
         valid = j < W
         tokens = i * W + j
         x, mask, g, mean_ln, var_ln, first, var_it, d1, d2, xg = _fused_token_terms(
-            x_ptr, g_ptr, mean_ptr, var_ptr, x_image, x_image, centre, p_y_ptr, p_x_ptr,
-            span_y_ptr, span_x_ptr, lam_m, kap_m, lam_v, kap_v, weight, b, i, j, i, j, valid, H,
-            W, H, W, C, d, eps, False, C_BLOCK)
+            x_ptr, g_ptr, x_image, x_image, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr,
+            lam_m, kap_m, lam_v, kap_v, weight, b, i, j, i, j, valid, H, W, H, W, C, d, eps, n_var,
+            False, C_BLOCK)
         dm_first, dm_second = _cell_gradient(first, var_it, d1, d2, kap_m, kap_v)
-        offsets = tokens[:, None] * C + cols[None, :]
-        tl.store(dm_images[0] + offsets, dm_first, mask=mask)
-        tl.store(dm_images[1] + offsets, dm_second, mask=mask)
-        s_xg += tl.sum(tl.where(mask, xg, 0.0), axis=0)
-        s_g += tl.sum(g, axis=0)
-        s_mu += tl.sum(mean_ln[:, None] * d1, axis=0)
-        s_var += tl.sum(var_ln[:, None] * d2, axis=0)
-        s_mit += tl.sum((first + centre[None, :]) * d1, axis=0)
-        s_vit += tl.sum(var_it * d2, axis=0)
-    _store_sums(partial_ptr, row, C, s_xg, s_g, s_mu, s_var, s_mit, s_vit, C_BLOCK)
+        _store_gradient(dm_images[0], scale_images[0], tokens, valid, dm_first, mask, C, C_BLOCK)
+        _store_gradient(dm_images[1], scale_images[1], tokens, valid, dm_second, mask, C,
+                        C_BLOCK)
+        s_xg, c_xg = _add(s_xg, c_xg, tl.sum(tl.where(mask, xg, 0.0), axis=0))
+        s_g, c_g = _add(s_g, c_g, tl.sum(g, axis=0))
+        s_mu, c_mu = _add(s_mu, c_mu, tl.sum(mean_ln[:, None] * d1, axis=0))
+        s_var, c_var = _add(s_var, c_var, tl.sum(var_ln[:, None] * d2, axis=0))
+        s_mit, c_mit = _add(s_mit, c_mit, tl.sum((first + centre[None, :]) * d1, axis=0))
+        s_vit, c_vit = _add(s_vit, c_vit, tl.sum(var_it * d2, axis=0))
+    _store_sums(partial_ptr, row, C, s_xg + c_xg, s_g + c_g, s_mu + c_mu, s_var + c_var,
+                s_mit + c_mit, s_vit + c_vit, C_BLOCK)
     tl.debug_barrier()  # dL/dm of the row, written above, is read back below
-    _rows_gradient(grad_p_y_ptr + (b * heads * H + i) * H, dm_images[0], dm_images[1], x_image,
+    _rows_gradient(grad_p_y_ptr + (b * heads * H + i) * H, dm_images, scale_images, x_image,
                    x_image, centre, p_x_ptr, span_y_ptr, span_x_ptr, i, 0, W, H, W, C, d, heads,
                    False, TILE, C_BLOCK)
 
 
 @triton.jit(do_not_specialize=['H', 'W', 'C'])
-def _input_gradient_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, cell_mean_ptr, cell_var_ptr,
-                           centre_ptr, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, ratios_ptr,
-                           weight_ptr, dm_first_ptr, dm_second_ptr, grad_p_x_ptr, dx_ptr, H, W, C,
-                           pool, d, heads, eps, n_var, POOLED: tl.constexpr, SPREAD: tl.constexpr,
-                           TILE: tl.constexpr, C_BLOCK: tl.constexpr):
+def _input_gradient_kernel(g_ptr, x_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr, p_y_ptr,
+                           p_x_ptr, span_y_ptr, span_x_ptr, ratios_ptr, weight_ptr, dm_first_ptr,
+                           dm_second_ptr, scale_first_ptr, scale_second_ptr, grad_p_x_ptr, dx_ptr,
+                           H, W, C, pool, d, heads, eps, n_var, POOLED: tl.constexpr,
+                           SPREAD: tl.constexpr, TILE: tl.constexpr, C_BLOCK: tl.constexpr):
     """Backward pass 2 for TILE token columns j of image b, row after row, in cells (ci, cj) of
     the Hp x Wp grid (the tokens themselves without pooling): the products backwards on chip,
     dL/du = P_y^T dL/dm over the band of P_y's column ci for every row of P_x whose column cj is
@@ -689,6 +735,7 @@ def _input_gradient_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, cell_mean_ptr, cell_
         mean_image = _image(x_ptr, b, H * W * C)
         spread_image = mean_image
     dm_images = _image(dm_first_ptr, b, Hp * Wp * C), _image(dm_second_ptr, b, Hp * Wp * C)
+    scale_images = _image(scale_first_ptr, b, Hp * Wp), _image(scale_second_ptr, b, Hp * Wp)
     owner = valid & (j % pool == 0)
     for j1 in range(0, Wp):
         for h in range(heads):
@@ -701,9 +748,9 @@ def _input_gradient_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, cell_mean_ptr, cell_
         ci = i // pool
         tokens = i * W + j
         x, mask, g, mean_ln, var_ln, first, var_it, d1, d2, _ = _fused_token_terms(
-            x_ptr, g_ptr, mean_ptr, var_ptr, mean_image, spread_image, centre, p_y_ptr, p_x_ptr,
-            span_y_ptr, span_x_ptr, lam_m, kap_m, lam_v, kap_v, weight, b, i, j, ci, cj, valid, H,
-            W, Hp, Wp, C, d, eps, SPREAD, C_BLOCK)
+            x_ptr, g_ptr, mean_image, spread_image, centre, p_y_ptr, p_x_ptr, span_y_ptr,
+            span_x_ptr, lam_m, kap_m, lam_v, kap_v, weight, b, i, j, ci, cj, valid, H, W, Hp, Wp, C,
+            d, eps, n_var, SPREAD, C_BLOCK)
         # Eq. 2 backwards: dL/dvar_ln = -sum(D2 lam_v) / 2, dL/dmu_ln = -sum(D1 lam_m)
         beta = -tl.sum(d2 * lam_v, axis=1) / n_var
         alpha = -tl.sum(d1 * lam_m, axis=1) / C - beta * mean_ln
@@ -718,9 +765,11 @@ def _input_gradient_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, cell_mean_ptr, cell_
             du_second = tl.zeros([C_BLOCK], tl.float32)
             for i1 in range(lo_i, hi_i):
                 w = tl.load(p_y_ptr + head * Hp * Hp + i1 * Hp + ci, mask=cmask, other=0.0)
-                cell = (i1 * Wp + j1) * C + cols
-                du_first += w * tl.load(dm_images[0] + cell, mask=cmask, other=0.0)
-                du_second += w * tl.load(dm_images[1] + cell, mask=cmask, other=0.0)
+                cell = i1 * Wp + j1
+                du_first += w * tl.load(scale_images[0] + cell) * tl.load(
+                    dm_images[0] + cell * C + cols, mask=cmask, other=0.0).to(tl.float32)
+                du_second += w * tl.load(scale_images[1] + cell) * tl.load(
+                    dm_images[1] + cell * C + cols, mask=cmask, other=0.0).to(tl.float32)
             w = tl.load(p_x_ptr + (head[None, :] * Wp * Wp + j1 * Wp + cj[:, None]), mask=mask,
                         other=0.0)
             dT_first += w * du_first[None, :]
@@ -744,18 +793,21 @@ def _input_gradient_kernel(g_ptr, x_ptr, mean_ptr, var_ptr, cell_mean_ptr, cell_
                  dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-def fused_backward(g, x, mean_ln, var_ln, centre, p_y, p_x, ratios, weight, eps, n_var, grid,
+def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid,
                    cells=None, square_of_pooled=False):
     """dx (x's shape and dtype), the gradients of p_y and p_x and the sums (6, C) for the
     parameters, the products formed on chip over the nonzero bands; with pooling from the cell
-    moments ``cells`` of :func:`statistics`. dL/dm (float32, two values per cell and channel) is
-    the one tensor passed between the passes."""
+    moments ``cells`` of :func:`statistics`. dL/dm (two values per cell and channel, in
+    :func:`cell_gradient_dtype`, with a float32 scale per cell and value) is the one tensor passed
+    between the passes."""
     B, N, C = x.shape
     H, W, heads, Hp, Wp = grid.H, grid.W, grid.heads, grid.Hp, grid.Wp
     span_y, span_x = spans(p_y), spans(p_x)
     f32 = dict(dtype=torch.float32, device=x.device)
-    dm = torch.empty(2, B, Hp * Wp, C, **f32)
-    common = [g, x, mean_ln, var_ln]
+    dm = torch.empty(2, B, Hp * Wp, C, dtype=cell_gradient_dtype(x.dtype), device=x.device)
+    dm_scale = torch.empty(2, B, Hp * Wp, **f32)
+    dm_args = [dm[0], dm[1], dm_scale[0], dm_scale[1]]
+    common = [g, x]
     factors = [centre, p_y, p_x, span_y, span_x, ratios, weight]
     cell_args = [] if cells is None else [cells[0], cells[1]]
     if grid.pooled:
@@ -763,23 +815,23 @@ def fused_backward(g, x, mean_ln, var_ln, centre, p_y, p_x, ratios, weight, eps,
         grad_p_y = torch.empty(B * programs[1], heads, Hp, Hp, **f32)
         partial = torch.empty(programs[0] * programs[1], 6, C, **f32)
         _launch('triton.cell_gradients', _cell_gradients_spec(C, grid.pool, not square_of_pooled),
-                programs, [*common, *cell_args, *factors], [dm, grad_p_y, partial], *common,
-                *cell_args, *factors, dm[0], dm[1], grad_p_y, partial, H, W, C, grid.pool,
-                grid.d, heads, float(eps))
+                programs, [*common, *cell_args, *factors], [dm, dm_scale, grad_p_y, partial],
+                *common, *cell_args, *factors, *dm_args, grad_p_y, partial, H, W, C, grid.pool,
+                grid.d, heads, float(eps), float(n_var))
     else:
         grad_p_y = torch.empty(B, heads, H, H, **f32)
         partial = torch.empty(B * H, 6, C, **f32)
         _launch('triton.token_gradients', _token_gradients_spec(C), (B * H, ),
-                [*common, *factors], [dm, grad_p_y, partial], *common, *factors, dm[0], dm[1],
-                grad_p_y, partial, H, W, C, grid.d, heads, float(eps))
+                [*common, *factors], [dm, dm_scale, grad_p_y, partial], *common, *factors,
+                *dm_args, grad_p_y, partial, H, W, C, grid.d, heads, float(eps), float(n_var))
     grad_p_x = torch.empty(B, heads, Wp, Wp, **f32)
     dx = x.new_empty(x.shape)
-    cell_pointers = cell_args or [mean_ln, mean_ln]  # without pooling: not read
+    cell_pointers = cell_args or [centre, centre]  # without pooling: not read
     spec = _input_gradient_spec(C, grid.pooled, not square_of_pooled)
     _launch('triton.input_gradient', spec, (B, triton.cdiv(W, _tile(C))),
-            [*common, *cell_args, *factors, dm], [grad_p_x, dx], *common, *cell_pointers,
-            *factors, dm[0], dm[1], grad_p_x, dx, H, W, C, grid.pool, grid.d, heads, float(eps),
-            float(n_var))
+            [*common, *cell_args, *factors, dm, dm_scale], [grad_p_x, dx], *common,
+            *cell_pointers, *factors, *dm_args, grad_p_x, dx, H, W, C, grid.pool, grid.d, heads,
+            float(eps), float(n_var))
     return dx, grad_p_y.sum(0), grad_p_x.sum(0), partial.sum(0)
 
 
