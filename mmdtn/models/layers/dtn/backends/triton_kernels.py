@@ -63,9 +63,6 @@ __all__ = ['statistics', 'output', 'fused_backward', 'specializations', 'cell_gr
 #: Elements of a token tile (TILE tokens x C_BLOCK channels) per thread of a program: a pass holds
 #: several such tiles (x, dL/dy, the cell statistics, ...) in registers.
 ELEMENTS_PER_THREAD = 8
-#: Tokens a program of the per-token passes without pooling covers (its partial sums are
-#: written once: more tokens per program, fewer partial sums to add up).
-TOKENS_PER_PROGRAM = 256
 #: Cells of one cell row a program of the passes with pooling covers: its partial sums are
 #: written once.
 CELLS_PER_PROGRAM = 16
@@ -115,10 +112,6 @@ def _tile(C):
 
 def _warps(C):
     return 4 if _c_block(C) <= 256 else 8
-
-
-def _tiles(C):
-    return max(1, TOKENS_PER_PROGRAM // _tile(C))
 
 
 # ---------------------------------------------------------------------------- shared pieces
@@ -177,22 +170,6 @@ def _channel_rows(ratios_ptr, weight_ptr, C, C_BLOCK: tl.constexpr):
 
 
 # ---------------------------------------------------------------------------- statistics
-@triton.jit(do_not_specialize=['N', 'C'])
-def _token_sums_kernel(x_ptr, partial_ptr, N, C, TILE: tl.constexpr, TILES: tl.constexpr,
-                       C_BLOCK: tl.constexpr):
-    """Without pooling: the sum per channel of TILE * TILES tokens of image b (for the centre)."""
-    b, p = tl.program_id(0), tl.program_id(1)
-    cols = tl.arange(0, C_BLOCK)
-    total = tl.zeros([C_BLOCK], tl.float32)
-    for t in range(TILES):
-        tokens = (p * TILES + t) * TILE + tl.arange(0, TILE)
-        valid = tokens < N
-        x, _ = _load_tokens(_image(x_ptr, b, N * C), tokens, valid, C, C_BLOCK)
-        total += tl.sum(x, axis=0)
-    tl.store(partial_ptr + (b * tl.num_programs(1) + p).to(tl.int64) * C + cols, total,
-             mask=cols < C)
-
-
 @triton.jit(do_not_specialize=['H', 'W', 'C'])
 def _cell_statistics_kernel(x_ptr, cell_mean_ptr, cell_var_ptr, partial_ptr, H, W, C, pool,
                             CELLS: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
@@ -239,32 +216,22 @@ def statistics(x, grid):
     by every pass that reads a token (all its channels are in one program): it is never
     stored."""
     B, N, C = x.shape
+    if not grid.pooled:  # one read of x, summed in float32
+        return None, (x.sum(1, dtype=torch.float32) / N).view(B, 1, 1, C)
     f32 = dict(dtype=torch.float32, device=x.device)
-    spec = _statistics_spec(C, grid.pool)
-    if not grid.pooled:
-        programs = triton.cdiv(N, _tile(C) * _tiles(C))
-        partial = torch.empty(B, programs, C, **f32)
-        _launch('triton.token_sums', spec, (B, programs), [x], [partial], x, partial, N, C)
-        return None, (partial.sum(1) / N).view(B, 1, 1, C)
     cells = torch.empty(2, B, grid.Hp, grid.Wp, C, **f32)
     programs = (B * grid.Hp, triton.cdiv(grid.Wp, CELLS_PER_PROGRAM))
     partial = torch.empty(B, grid.Hp * programs[1], C, **f32)
-    _launch('triton.cell_statistics', spec, programs, [x], [cells, partial], x, cells[0],
-            cells[1], partial, grid.H, grid.W, C, grid.pool)
+    _launch('triton.cell_statistics', _statistics_spec(C, grid.pool), programs, [x],
+            [cells, partial], x, cells[0], cells[1], partial, grid.H, grid.W, C, grid.pool)
     return cells, (partial.sum(1) / (grid.Hp * grid.Wp)).view(B, 1, 1, C)
 
 
-def _cells_spec(cell_kernel, C, pool):
-    """(kernel, constexprs, num_warps) of a pass with pooling that walks the cells of a cell row."""
-    return (cell_kernel, dict(CELLS=CELLS_PER_PROGRAM, S_BLOCK=triton.next_power_of_2(pool),
-                              C_BLOCK=_c_block(C)), _warps(C))
-
-
 def _statistics_spec(C, pool):
-    if pool == 1:  # walks the tokens of an image
-        return (_token_sums_kernel, dict(TILE=_tile(C), TILES=_tiles(C), C_BLOCK=_c_block(C)),
-                _warps(C))
-    return _cells_spec(_cell_statistics_kernel, C, pool)
+    """(kernel, constexprs, num_warps) of the statistics pass with pooling."""
+    return (_cell_statistics_kernel, dict(CELLS=CELLS_PER_PROGRAM,
+                                          S_BLOCK=triton.next_power_of_2(pool),
+                                          C_BLOCK=_c_block(C)), _warps(C))
 
 
 # ---------------------------------------------------------------------------- output
@@ -765,11 +732,13 @@ def _input_gradient_kernel(g_ptr, x_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr
             du_second = tl.zeros([C_BLOCK], tl.float32)
             for i1 in range(lo_i, hi_i):
                 w = tl.load(p_y_ptr + head * Hp * Hp + i1 * Hp + ci, mask=cmask, other=0.0)
-                cell = i1 * Wp + j1
-                du_first += w * tl.load(scale_images[0] + cell) * tl.load(
-                    dm_images[0] + cell * C + cols, mask=cmask, other=0.0).to(tl.float32)
-                du_second += w * tl.load(scale_images[1] + cell) * tl.load(
-                    dm_images[1] + cell * C + cols, mask=cmask, other=0.0).to(tl.float32)
+                cell = i1 * Wp + j1 + tl.zeros([1], tl.int32)
+                du_first += w * tl.reshape(_load_gradient(
+                    dm_images[0], scale_images[0], cell, cell >= 0, cmask[None, :], C, C_BLOCK),
+                    [C_BLOCK])
+                du_second += w * tl.reshape(_load_gradient(
+                    dm_images[1], scale_images[1], cell, cell >= 0, cmask[None, :], C, C_BLOCK),
+                    [C_BLOCK])
             w = tl.load(p_x_ptr + (head[None, :] * Wp * Wp + j1 * Wp + cj[:, None]), mask=mask,
                         other=0.0)
             dT_first += w * du_first[None, :]
@@ -850,7 +819,7 @@ def specializations(C, pool, square_of_pooled=False):
     backward, as (kernel, constexprs, num_warps): what a GPU compiles for it (the tokens' dtype
     aside). The image size is not part of it."""
     if pool == 1:  # the products fused into the passes
-        return [_statistics_spec(C, pool), _spans_spec(), _output_spec(C, False, False),
+        return [_spans_spec(), _output_spec(C, False, False),
                 _token_gradients_spec(C), _input_gradient_spec(C, False, False)]
     spread = not square_of_pooled
     return [_statistics_spec(C, pool), _spans_spec(), _output_spec(C, True, spread),
