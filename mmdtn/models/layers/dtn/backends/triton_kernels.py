@@ -25,9 +25,11 @@ the centre is that plus the squared mean about the centre, or, in the reference 
 convention, the square of the pooled mean alone). Eq. 2 is never stored: a program holds whole
 tokens, and every pass that reads a token forms its mean and variance again. Forward:
 :func:`statistics` (the cell moments, or without pooling only the centre, in one read of x), then
-:func:`output`, which reads each token's band of cells, cached, and forms u = P_x T for the rows
-of the band and m = P_y u in registers before x is read again for y (Eqs. 2, 4, 5): x read twice
-and y written once, plus, with pooling, the cell moments written once and read once.
+:func:`output`, whose programs each take a tile of cells of one cell row, read the band of
+cells, cached, and form u = P_x T for the rows of the band and m = P_y u in registers, once per
+cell, before x of the cells' tokens is read again for y, token row after token row (Eqs. 2, 4,
+5): x read twice and y written once, plus, with pooling, the cell moments written once and read
+once.
 
 Backward, :func:`fused_backward` passes one tensor between two passes, dL/dm (two values per cell
 and channel: float32 for float32 tokens; for 16-bit tokens float16, each cell's values divided by
@@ -36,12 +38,15 @@ band. Pass 1 (a program per token row, or with pooling per CELLS_PER_PROGRAM cel
 walking their tokens) forms m again, writes dL/dm (with pooling the sum over the cell's tokens) and
 the sums for the parameters (written per program and added up afterwards in a fixed order: no float
 atomics), then reads its dL/dm back from cache for its share of the gradient of P_y (sum of dL/dm u
-over the band's rows of u). Pass 2 (a program per column tile of tokens, walking the token rows)
-forms dL/du = P_y^T dL/dm and dL/dT = P_x^T dL/du over the bands, and dx (the per-token terms
-formed again instead of stored), and adds up its cells' columns of the gradient of P_x in place
-(the program holding a cell's first token column owns them: deterministic, no atomics). The
-gradients of P are exact on the bands and zero elsewhere, where P is an exact zero and the softmax
-passes no gradient; they are written per image (and program) and added up afterwards. Without
+over the band's rows of u). Pass 2 (a program per tile of cell columns, walking the cell rows)
+forms m again and dL/du = P_y^T dL/dm and dL/dT = P_x^T dL/du over the bands, once per cell, then
+dx of the cells' tokens (the per-token terms formed again instead of stored), token row after
+token row, and adds up its cells' columns of the gradient of P_x in place (the program holding
+the cells owns them: deterministic, no atomics). Without pooling a cell is a token, and a tile
+of cells a tile of a token row. The gradients of P are exact on the bands and zero elsewhere,
+where P is an exact zero and the softmax passes no gradient; they are written per image (and
+program) and added up afterwards. Forming the products once per cell rather than once per token
+is what pooling saves on chip (pool^2 times fewer multiply-adds for m). Without
 pooling backward moves about 5 C e + 4 C f bytes per token (f bytes per value of dL/dm, 4 or 2):
 dL/dm, which only a recomputation of m over the band of every neighbour (the band squared) would
 avoid, is most of the rest; with pooling dL/dm and the cell moments are pool^2 times smaller, and
@@ -138,6 +143,27 @@ def _cell_row(ci, cj, r, pool, H, W, S_BLOCK: tl.constexpr):
     i = ci * pool + r
     valid = (j < W) & (tl.arange(0, S_BLOCK) < pool) & (i < H)
     return i * W + j, valid
+
+
+@triton.jit
+def _cell_columns(start, pool, W, Wp, CELLS: tl.constexpr, S_BLOCK: tl.constexpr):
+    """The token columns of cells start ... start + CELLS - 1 of a cell row, S_BLOCK per cell
+    (CELLS * S_BLOCK, cell after cell), and which are real; without pooling (pool = S_BLOCK = 1)
+    the CELLS tokens from ``start``."""
+    k = tl.arange(0, CELLS * S_BLOCK)
+    cj = start + k // S_BLOCK
+    j = cj * pool + k % S_BLOCK
+    return j, (k % S_BLOCK < pool) & (j < W) & (cj < Wp)
+
+
+@triton.jit
+def _per_token(cell_values, CELLS: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
+    """Values [CELLS, C_BLOCK] of cells repeated for the S_BLOCK token columns of each cell, as
+    :func:`_cell_columns` orders them: [CELLS * S_BLOCK, C_BLOCK]."""
+    if S_BLOCK == 1:
+        return cell_values
+    tiled = tl.broadcast_to(cell_values[:, None, :], [CELLS, S_BLOCK, C_BLOCK])
+    return tl.reshape(tiled, [CELLS * S_BLOCK, C_BLOCK])
 
 
 @triton.jit
@@ -349,22 +375,32 @@ def _banded_moments(mean_image, spread_image, centre, p_y_ptr, p_x_ptr, span_y_p
     return first, second
 
 
+@triton.jit
+def _inter_token_statistics(mean_image, spread_image, centre, p_y_ptr, p_x_ptr, span_y_ptr,
+                            span_x_ptr, i, j, valid, mask, H, W, C, d, SPREAD: tl.constexpr,
+                            C_BLOCK: tl.constexpr):
+    """Eq. 5 of the tokens, or the cells, (i, j): the inter-token mean about the centre (P^h T_0)
+    and the inter-token variance, from m formed on chip (:func:`_banded_moments`)."""
+    first, second = _banded_moments(mean_image, spread_image, centre, p_y_ptr, p_x_ptr,
+                                    span_y_ptr, span_x_ptr, i, j, valid, mask, H, W, C, d, SPREAD,
+                                    C_BLOCK)
+    return first, tl.maximum(second - first * first, 0.0)
+
+
 @triton.jit(do_not_specialize=['H', 'W', 'C'])
 def _output_kernel(x_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr, p_y_ptr, p_x_ptr, span_y_ptr,
                    span_x_ptr, ratios_ptr, weight_ptr, bias_ptr, y_ptr, H, W, C, pool, d, eps,
-                   n_var, POOLED: tl.constexpr, SPREAD: tl.constexpr, TILE: tl.constexpr,
-                   C_BLOCK: tl.constexpr):
-    """Eqs. 4 and 5 for TILE tokens of token row i of image b, the positional products of their
-    cells (the tokens themselves without pooling) formed on chip from the band of cell moments
-    (:func:`_banded_moments`) before x is loaded."""
+                   n_var, POOLED: tl.constexpr, SPREAD: tl.constexpr, CELLS: tl.constexpr,
+                   S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
+    """Eqs. 4 and 5 for CELLS cells of cell row ci of image b (CELLS tokens of token row ci
+    without pooling): the positional products of the cells formed on chip from the band of cell
+    moments (:func:`_banded_moments`), once per cell, then y of their tokens, token row after
+    token row."""
     row, block = tl.program_id(0), tl.program_id(1)
-    b, i = row // H, row % H
     Hp, Wp = (H + pool - 1) // pool, (W + pool - 1) // pool
-    j = block * TILE + tl.arange(0, TILE)
-    valid = j < W
-    tokens = i * W + j
+    b, ci = row // Hp, row % Hp
+    cjs = block * CELLS + tl.arange(0, CELLS)
     cols = tl.arange(0, C_BLOCK)
-    mask = valid[:, None] & (cols < C)[None, :]
     centre = tl.load(centre_ptr + b * C + cols, mask=cols < C, other=0.0)
     x_image = _image(x_ptr, b, H * W * C)
     if POOLED:
@@ -373,13 +409,18 @@ def _output_kernel(x_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr, p_y_ptr, p_x_
     else:  # the tokens are the cells
         mean_image = x_image
         spread_image = x_image
-    first, second = _banded_moments(mean_image, spread_image, centre, p_y_ptr, p_x_ptr,
-                                    span_y_ptr, span_x_ptr, i // pool, j // pool, valid, mask, Hp,
-                                    Wp, C, d, SPREAD, C_BLOCK)
-    x, _ = _load_tokens(x_image, tokens, valid, C, C_BLOCK)
-    var_it = tl.maximum(second - first * first, 0.0)
-    _store_output(y_ptr, ratios_ptr, weight_ptr, bias_ptr, b, H * W, C, tokens, x, mask, first,
-                  var_it, centre[None, :], eps, n_var, C_BLOCK)
+    first, var_it = _inter_token_statistics(
+        mean_image, spread_image, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, ci, cjs,
+        cjs < Wp, (cjs < Wp)[:, None] & (cols < C)[None, :], Hp, Wp, C, d, SPREAD, C_BLOCK)
+    first = _per_token(first, CELLS, S_BLOCK, C_BLOCK)
+    var_it = _per_token(var_it, CELLS, S_BLOCK, C_BLOCK)
+    j, real = _cell_columns(block * CELLS, pool, W, Wp, CELLS, S_BLOCK)
+    for r in range(0, pool):
+        i = ci * pool + r
+        tokens = i * W + j
+        x, mask = _load_tokens(x_image, tokens, real & (i < H), C, C_BLOCK)
+        _store_output(y_ptr, ratios_ptr, weight_ptr, bias_ptr, b, H * W, C, tokens, x, mask,
+                      first, var_it, centre[None, :], eps, n_var, C_BLOCK)
 
 
 def output(x, centre, p_y, p_x, ratios, weight, bias, eps, n_var, grid, cells=None,
@@ -393,15 +434,25 @@ def output(x, centre, p_y, p_x, ratios, weight, bias, eps, n_var, grid, cells=No
     cell_args = [] if cells is None else [cells[0], cells[1]]
     reads = [x, *cell_args, centre, p_y, p_x, span_y, span_x, ratios, weight, bias]
     cell_pointers = cell_args or [centre, centre]  # without pooling: not read
-    _launch('triton.output', _output_spec(C, grid.pooled, not square_of_pooled),
-            (B * grid.H, triton.cdiv(grid.W, _tile(C))), reads, [y], x, *cell_pointers, centre,
-            p_y, p_x, span_y, span_x, ratios, weight, bias, y, grid.H, grid.W, C, grid.pool,
-            grid.d, float(eps), float(n_var))
+    spec = _output_spec(C, grid.pool, not square_of_pooled)
+    _launch('triton.output', spec, (B * grid.Hp, triton.cdiv(grid.Wp, spec[1]['CELLS'])), reads,
+            [y], x, *cell_pointers, centre, p_y, p_x, span_y, span_x, ratios, weight, bias, y,
+            grid.H, grid.W, C, grid.pool, grid.d, float(eps), float(n_var))
     return y
 
 
-def _output_spec(C, pooled, spread):
-    return (_output_kernel, dict(POOLED=pooled, SPREAD=pooled and spread, TILE=_tile(C),
+def _cells(C, pool):
+    """Cells of a tile of the output and input-gradient passes: a token row of them is a tile of
+    :func:`_tile` tokens (without pooling the cells are the tokens)."""
+    return max(1, _tile(C) // triton.next_power_of_2(pool))
+
+
+def _output_spec(C, pool, spread):
+    """With pooling twice the cells of :func:`_cells` per tile: besides x the output pass holds
+    only its cells' statistics, which their tokens share."""
+    return (_output_kernel, dict(POOLED=pool > 1, SPREAD=pool > 1 and spread,
+                                 CELLS=_cells(C, pool) * (2 if pool > 1 else 1),
+                                 S_BLOCK=triton.next_power_of_2(pool),
                                  C_BLOCK=_c_block(C)), _warps(C))
 
 
@@ -605,25 +656,17 @@ def _cell_gradients_spec(C, pool, spread):
 
 # ---------------------------------------------------------------------------- fused backward
 @triton.jit
-def _fused_token_terms(x_ptr, g_ptr, mean_image, spread_image, centre, p_y_ptr, p_x_ptr,
-                       span_y_ptr, span_x_ptr, lam_m, kap_m, lam_v, kap_v, weight, b, i, j, ci, cj,
-                       valid, H, W, Hp, Wp, C, d, eps, n_var, SPREAD: tl.constexpr,
-                       C_BLOCK: tl.constexpr):
-    """The tokens (i, j) of image b, in the cells (ci, cj) of the Hp x Wp grid (the tokens
-    themselves without pooling): x and its mask, dL/dy, Eq. 2, P^h T_0 and the inter-token
-    variance (m formed on chip), D1 and D2 (zero outside the mask) and xhat g."""
-    tokens = i * W + j
-    x, mask = _load_tokens(_image(x_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
-    g, _ = _load_tokens(_image(g_ptr, b, H * W * C), tokens, valid, C, C_BLOCK)
+def _fused_token_terms(x_image, g_image, first, var_it, centre, lam_m, kap_m, lam_v, kap_v,
+                       weight, tokens, valid, C, eps, n_var, C_BLOCK: tl.constexpr):
+    """``tokens`` of an image, given the inter-token statistics of their cells (first = P^h T_0
+    and var_it, [TILE, C_BLOCK]): x and its mask, dL/dy, Eq. 2, D1 and D2 (zero outside the
+    mask) and xhat g."""
+    x, mask = _load_tokens(x_image, tokens, valid, C, C_BLOCK)
+    g, _ = _load_tokens(g_image, tokens, valid, C, C_BLOCK)
     mean_ln, var_ln = _ln_statistics(x, mask, C, n_var)
-    first, second = _banded_moments(mean_image, spread_image, centre, p_y_ptr, p_x_ptr,
-                                    span_y_ptr, span_x_ptr, ci, cj, valid, mask, Hp, Wp, C, d,
-                                    SPREAD, C_BLOCK)
-    var_it = tl.maximum(second - first * first, 0.0)
     d1, d2, xg = _token_terms(x, g, mean_ln, var_ln, first, var_it, centre[None, :], lam_m, kap_m,
                               lam_v, kap_v, weight, eps)
-    return x, mask, g, mean_ln, var_ln, first, var_it, tl.where(mask, d1, 0.0), \
-        tl.where(mask, d2, 0.0), xg
+    return x, mask, g, mean_ln, var_ln, tl.where(mask, d1, 0.0), tl.where(mask, d2, 0.0), xg
 
 
 @triton.jit(do_not_specialize=['H', 'W', 'C'])
@@ -639,7 +682,7 @@ def _token_gradients_kernel(g_ptr, x_ptr, centre_ptr, p_y_ptr, p_x_ptr,
     b, i = row // H, row % H
     centre, lam_m, kap_m, lam_v, kap_v, weight = _image_constants(centre_ptr, ratios_ptr,
                                                                   weight_ptr, b, C, C_BLOCK)
-    x_image = _image(x_ptr, b, H * W * C)
+    x_image, g_image = _image(x_ptr, b, H * W * C), _image(g_ptr, b, H * W * C)
     dm_images = _image(dm_first_ptr, b, H * W * C), _image(dm_second_ptr, b, H * W * C)
     scale_images = _image(scale_first_ptr, b, H * W), _image(scale_second_ptr, b, H * W)
     s_xg, s_g, s_mu, s_var, s_mit, s_vit = _zero_sums(C_BLOCK)
@@ -648,10 +691,12 @@ def _token_gradients_kernel(g_ptr, x_ptr, centre_ptr, p_y_ptr, p_x_ptr,
         j = start + tl.arange(0, TILE)
         valid = j < W
         tokens = i * W + j
-        x, mask, g, mean_ln, var_ln, first, var_it, d1, d2, xg = _fused_token_terms(
-            x_ptr, g_ptr, x_image, x_image, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr,
-            lam_m, kap_m, lam_v, kap_v, weight, b, i, j, i, j, valid, H, W, H, W, C, d, eps, n_var,
-            False, C_BLOCK)
+        first, var_it = _inter_token_statistics(
+            x_image, x_image, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, i, j, valid,
+            valid[:, None] & (tl.arange(0, C_BLOCK) < C)[None, :], H, W, C, d, False, C_BLOCK)
+        x, mask, g, mean_ln, var_ln, d1, d2, xg = _fused_token_terms(
+            x_image, g_image, first, var_it, centre, lam_m, kap_m, lam_v, kap_v, weight, tokens,
+            valid, C, eps, n_var, C_BLOCK)
         dm_first, dm_second = _cell_gradient(first, var_it, d1, d2, kap_m, kap_v)
         _store_gradient(dm_images[0], scale_images[0], tokens, valid, dm_first, mask, C, C_BLOCK)
         _store_gradient(dm_images[1], scale_images[1], tokens, valid, dm_second, mask, C,
@@ -675,58 +720,57 @@ def _input_gradient_kernel(g_ptr, x_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr
                            p_x_ptr, span_y_ptr, span_x_ptr, ratios_ptr, weight_ptr, dm_first_ptr,
                            dm_second_ptr, scale_first_ptr, scale_second_ptr, grad_p_x_ptr, dx_ptr,
                            H, W, C, pool, d, heads, eps, n_var, POOLED: tl.constexpr,
-                           SPREAD: tl.constexpr, TILE: tl.constexpr, C_BLOCK: tl.constexpr):
-    """Backward pass 2 for TILE token columns j of image b, row after row, in cells (ci, cj) of
-    the Hp x Wp grid (the tokens themselves without pooling): the products backwards on chip,
-    dL/du = P_y^T dL/dm over the band of P_y's column ci for every row of P_x whose column cj is
-    nonzero and dL/dT = P_x^T dL/du; dx (with m and the per-token terms formed again) =
-    D1 + x beta + alpha (Eq. 2 backwards) + (dL/dT_0 + 2 s dL/dT_1) / n, with n the tokens of the
-    cell and s = x - centre where T_1 is the cell's mean of (x - centre)^2 (SPREAD), T_0 where it
-    is T_0^2; and image b's share of the gradient of P_x at columns cj, sum over the cell rows and
-    each head's channels of dL/du T, accumulated in place by the program that holds the cell's
-    first column, at its first token row (deterministic, no atomics)."""
+                           SPREAD: tl.constexpr, CELLS: tl.constexpr, S_BLOCK: tl.constexpr,
+                           C_BLOCK: tl.constexpr):
+    """Backward pass 2 for CELLS cell columns cj of image b (CELLS token columns without
+    pooling), cell row after cell row. Once per cell: m formed again, and the products
+    backwards on chip, dL/du = P_y^T dL/dm over the band of P_y's column ci for every row of P_x
+    whose column cj is nonzero and dL/dT = P_x^T dL/du; and the cells' columns of the gradient
+    of P_x (image b's share), sum over the cell rows and each head's channels of dL/du T,
+    accumulated in place by this program, which alone holds them (deterministic, no atomics).
+    Then for the cell's tokens, token row after token row, dx (the per-token terms formed again)
+    = D1 + x beta + alpha (Eq. 2 backwards) + (dL/dT_0 + 2 s dL/dT_1) / n, with n the tokens of
+    the cell and s = x - centre where T_1 is the cell's mean of (x - centre)^2 (SPREAD), T_0
+    where it is T_0^2."""
     b, block = tl.program_id(0), tl.program_id(1)
     Hp, Wp = (H + pool - 1) // pool, (W + pool - 1) // pool
-    j = block * TILE + tl.arange(0, TILE)
-    valid = j < W
-    cj = j // pool
+    cjs = block * CELLS + tl.arange(0, CELLS)
+    cells_valid = cjs < Wp
     cols = tl.arange(0, C_BLOCK)
     cmask = cols < C
+    cell_mask = cells_valid[:, None] & cmask[None, :]
     head = cols // d
     centre, lam_m, kap_m, lam_v, kap_v, weight = _image_constants(centre_ptr, ratios_ptr,
                                                                   weight_ptr, b, C, C_BLOCK)
+    x_image, g_image = _image(x_ptr, b, H * W * C), _image(g_ptr, b, H * W * C)
+    dx_image = _image(dx_ptr, b, H * W * C)
     if POOLED:
         mean_image = _image(cell_mean_ptr, b, Hp * Wp * C)
         spread_image = _image(cell_var_ptr, b, Hp * Wp * C)
     else:  # the tokens are the cells
-        mean_image = _image(x_ptr, b, H * W * C)
-        spread_image = mean_image
+        mean_image = x_image
+        spread_image = x_image
     dm_images = _image(dm_first_ptr, b, Hp * Wp * C), _image(dm_second_ptr, b, Hp * Wp * C)
     scale_images = _image(scale_first_ptr, b, Hp * Wp), _image(scale_second_ptr, b, Hp * Wp)
-    owner = valid & (j % pool == 0)
     for j1 in range(0, Wp):
         for h in range(heads):
-            tl.store(grad_p_x_ptr + ((b * heads + h) * Wp + j1) * Wp + cj,
-                     tl.zeros([TILE], tl.float32), mask=owner)
+            tl.store(grad_p_x_ptr + ((b * heads + h) * Wp + j1) * Wp + cjs,
+                     tl.zeros([CELLS], tl.float32), mask=cells_valid)
     tl.debug_barrier()
-    lo_j, hi_j = _axis_span(span_x_ptr + 2 * Wp, cj, valid, Wp)  # rows of P_x nonzero at cj
-    columns = tl.minimum(W - cj * pool, pool)
-    for i in range(0, H):
-        ci = i // pool
-        tokens = i * W + j
-        x, mask, g, mean_ln, var_ln, first, var_it, d1, d2, _ = _fused_token_terms(
-            x_ptr, g_ptr, mean_image, spread_image, centre, p_y_ptr, p_x_ptr, span_y_ptr,
-            span_x_ptr, lam_m, kap_m, lam_v, kap_v, weight, b, i, j, ci, cj, valid, H, W, Hp, Wp, C,
-            d, eps, n_var, SPREAD, C_BLOCK)
-        # Eq. 2 backwards: dL/dvar_ln = -sum(D2 lam_v) / 2, dL/dmu_ln = -sum(D1 lam_m)
-        beta = -tl.sum(d2 * lam_v, axis=1) / n_var
-        alpha = -tl.sum(d1 * lam_m, axis=1) / C - beta * mean_ln
+    # the rows of P_x that are nonzero at the columns cj
+    lo_j, hi_j = _axis_span(span_x_ptr + 2 * Wp, cjs, cells_valid, Wp)
+    j, columns_valid = _cell_columns(block * CELLS, pool, W, Wp, CELLS, S_BLOCK)
+    columns = tl.minimum(W - cjs * pool, pool)
+    for ci in range(0, Hp):
+        first, var_it = _inter_token_statistics(
+            mean_image, spread_image, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, ci, cjs,
+            cells_valid, cell_mask, Hp, Wp, C, d, SPREAD, C_BLOCK)
         t_first, t_second = _moments(mean_image, spread_image, centre,
-                                     (ci * Wp + cj)[:, None] * C + cols[None, :], mask, SPREAD)
-        keeps = owner & (i % pool == 0)
+                                     (ci * Wp + cjs)[:, None] * C + cols[None, :], cell_mask,
+                                     SPREAD)
         lo_i, hi_i = _axis_span(span_y_ptr + 2 * Hp, ci + tl.zeros([1], tl.int32), ci >= 0, Hp)
-        dT_first = tl.zeros(mask.shape, tl.float32)
-        dT_second = tl.zeros(mask.shape, tl.float32)
+        dT_first = tl.zeros(cell_mask.shape, tl.float32)
+        dT_second = tl.zeros(cell_mask.shape, tl.float32)
         for j1 in range(lo_j, hi_j):
             du_first = tl.zeros([C_BLOCK], tl.float32)
             du_second = tl.zeros([C_BLOCK], tl.float32)
@@ -739,27 +783,40 @@ def _input_gradient_kernel(g_ptr, x_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr
                 du_second += w * tl.reshape(_load_gradient(
                     dm_images[1], scale_images[1], cell, cell >= 0, cmask[None, :], C, C_BLOCK),
                     [C_BLOCK])
-            w = tl.load(p_x_ptr + (head[None, :] * Wp * Wp + j1 * Wp + cj[:, None]), mask=mask,
-                        other=0.0)
+            w = tl.load(p_x_ptr + (head[None, :] * Wp * Wp + j1 * Wp + cjs[:, None]),
+                        mask=cell_mask, other=0.0)
             dT_first += w * du_first[None, :]
             dT_second += w * du_second[None, :]
             share = du_first[None, :] * t_first + du_second[None, :] * t_second
             for h in range(heads):
-                out = grad_p_x_ptr + ((b * heads + h) * Wp + j1) * Wp + cj
-                total = tl.load(out, mask=keeps, other=0.0)
+                out = grad_p_x_ptr + ((b * heads + h) * Wp + j1) * Wp + cjs
+                total = tl.load(out, mask=cells_valid, other=0.0)
                 tl.store(out, total + tl.sum(tl.where(head[None, :] == h, share, 0.0), axis=1),
-                         mask=keeps)
-        tl.debug_barrier()  # the next row adds to the same entries
-        if SPREAD:
-            spread = tl.where(mask, x - centre[None, :], 0.0)
-        else:
-            spread = t_first
+                         mask=cells_valid)
+        tl.debug_barrier()  # the next cell row adds to the same entries
         rows = tl.minimum(H - ci * pool, pool)
-        inv_n = 1.0 / tl.maximum(rows * columns, 1).to(tl.float32)  # masked tokens: any n
-        dx = d1 + x * beta[:, None] + alpha[:, None] + (dT_first + 2.0 * spread * dT_second) * \
-            inv_n[:, None]
-        tl.store(_image(dx_ptr, b, H * W * C) + tokens[:, None] * C + cols[None, :],
-                 dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        inv_n = 1.0 / tl.maximum(rows * columns, 1).to(tl.float32)  # masked cells: any n
+        dT_first *= inv_n[:, None]
+        dT_second *= inv_n[:, None]
+        for r in range(0, pool):  # the cell values repeated for each token row (few registers)
+            i = ci * pool + r
+            tokens = i * W + j
+            x, mask, g, mean_ln, var_ln, d1, d2, _ = _fused_token_terms(
+                x_image, g_image, _per_token(first, CELLS, S_BLOCK, C_BLOCK),
+                _per_token(var_it, CELLS, S_BLOCK, C_BLOCK), centre, lam_m, kap_m, lam_v, kap_v,
+                weight, tokens, columns_valid & (i < H), C, eps, n_var, C_BLOCK)
+            # Eq. 2 backwards: dL/dvar_ln = -sum(D2 lam_v) / 2, dL/dmu_ln = -sum(D1 lam_m)
+            beta = -tl.sum(d2 * lam_v, axis=1) / n_var
+            alpha = -tl.sum(d1 * lam_m, axis=1) / C - beta * mean_ln
+            if SPREAD:
+                spread = tl.where(mask, x - centre[None, :], 0.0)
+            else:
+                spread = _per_token(t_first, CELLS, S_BLOCK, C_BLOCK)
+            dx = d1 + x * beta[:, None] + alpha[:, None] + \
+                _per_token(dT_first, CELLS, S_BLOCK, C_BLOCK) + \
+                2.0 * spread * _per_token(dT_second, CELLS, S_BLOCK, C_BLOCK)
+            tl.store(dx_image + tokens[:, None] * C + cols[None, :],
+                     dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid,
@@ -796,8 +853,8 @@ def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid,
     grad_p_x = torch.empty(B, heads, Wp, Wp, **f32)
     dx = x.new_empty(x.shape)
     cell_pointers = cell_args or [centre, centre]  # without pooling: not read
-    spec = _input_gradient_spec(C, grid.pooled, not square_of_pooled)
-    _launch('triton.input_gradient', spec, (B, triton.cdiv(W, _tile(C))),
+    spec = _input_gradient_spec(C, grid.pool, not square_of_pooled)
+    _launch('triton.input_gradient', spec, (B, triton.cdiv(Wp, spec[1]['CELLS'])),
             [*common, *cell_args, *factors, dm, dm_scale], [grad_p_x, dx], *common,
             *cell_pointers, *factors, *dm_args, grad_p_x, dx, H, W, C, grid.pool, grid.d, heads,
             float(eps), float(n_var))
@@ -808,9 +865,13 @@ def _token_gradients_spec(C):
     return _token_gradients_kernel, dict(TILE=_tile(C), C_BLOCK=_c_block(C)), _warps(C)
 
 
-def _input_gradient_spec(C, pooled, spread):
-    return (_input_gradient_kernel, dict(POOLED=pooled, SPREAD=pooled and spread,
-                                         TILE=_tile(C), C_BLOCK=_c_block(C)), _warps(C))
+def _input_gradient_spec(C, pool, spread):
+    """With pooling in 8 warps: the tile's cells and their tokens (half the registers per thread)
+    fit every channel count in at most 128 registers without spills on sm_80 and sm_90."""
+    return (_input_gradient_kernel, dict(POOLED=pool > 1, SPREAD=pool > 1 and spread,
+                                         CELLS=_cells(C, pool),
+                                         S_BLOCK=triton.next_power_of_2(pool),
+                                         C_BLOCK=_c_block(C)), 8 if pool > 1 else _warps(C))
 
 
 # ---------------------------------------------------------------------------- specialisations
@@ -819,8 +880,8 @@ def specializations(C, pool, square_of_pooled=False):
     backward, as (kernel, constexprs, num_warps): what a GPU compiles for it (the tokens' dtype
     aside). The image size is not part of it."""
     if pool == 1:  # the products fused into the passes
-        return [_spans_spec(), _output_spec(C, False, False),
-                _token_gradients_spec(C), _input_gradient_spec(C, False, False)]
+        return [_spans_spec(), _output_spec(C, 1, False),
+                _token_gradients_spec(C), _input_gradient_spec(C, 1, False)]
     spread = not square_of_pooled
-    return [_statistics_spec(C, pool), _spans_spec(), _output_spec(C, True, spread),
-            _cell_gradients_spec(C, pool, spread), _input_gradient_spec(C, True, spread)]
+    return [_statistics_spec(C, pool), _spans_spec(), _output_spec(C, pool, spread),
+            _cell_gradients_spec(C, pool, spread), _input_gradient_spec(C, pool, spread)]
