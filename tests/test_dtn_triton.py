@@ -97,6 +97,20 @@ def test_banded_products(triton_dtn, hw, pool, heads, B, reference_compat):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
 
 
+@pytest.mark.parametrize('hw,pool,heads,B',
+                         [((7, 5), 1, 3, 2), ((9, 10), 2, 2, 1), ((10, 9), 4, 1, 2)])
+def test_dx_pass_in_blocks_of_cell_rows(triton_dtn, monkeypatch, hw, pool, heads, B):
+    """The dx pass with each image's cell rows split among programs (here one block per cell row,
+    their partial gradients of P_x added up afterwards) equals the dense reference."""
+    monkeypatch.setattr(triton_kernels, 'DX_PROGRAMS', 10**6)
+    monkeypatch.setattr(triton_kernels, 'PARTIAL_SHARE', 10.0**6)
+    x = tokens(B, *hw, 4 * heads, torch.float32)
+    grid = TokenGrid.of(x, hw, heads, pool)
+    assert triton_kernels._row_blocks(x, 1, grid.Hp, heads, grid.Wp) == grid.Hp > 2
+    norm = randomize(DynamicTokenNorm(4 * heads, heads, pool_size=pool, eps=1e-5)).float()
+    assert max(relative_errors(norm, x, hw)) < 1e-5
+
+
 @pytest.mark.parametrize('C,hw,pool,heads', [(64, (200, 336), 4, 4), (192, (100, 168), 2, 6)])
 def test_kernels_with_pooling_move_about_the_fused_bound(backend_setting, C, hw, pool, heads):
     """With pooling the kernels (counted on meta tensors: recorded, not run) move, forward and

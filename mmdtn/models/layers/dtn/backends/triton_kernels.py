@@ -38,9 +38,9 @@ band. Pass 1 (a program per token row, or with pooling per CELLS_PER_PROGRAM cel
 walking their tokens) forms m again, writes dL/dm (with pooling the sum over the cell's tokens) and
 the sums for the parameters (written per program and added up afterwards in a fixed order: no float
 atomics), then reads its dL/dm back from cache for its share of the gradient of P_y (sum of dL/dm u
-over the band's rows of u). Pass 2 (a program per tile of cell columns, walking the cell rows)
-forms m again and dL/du = P_y^T dL/dm and dL/dT = P_x^T dL/du over the bands, once per cell, then
-dx of the cells' tokens (the per-token terms formed again instead of stored), token row after
+over the band's rows of u). Pass 2 (a program per tile of cell columns and block of cell rows,
+walking its cell rows; :func:`_row_blocks`) forms m again and dL/du = P_y^T dL/dm and dL/dT =
+P_x^T dL/du over the bands, once per cell, then dx of the cells' tokens (the per-token terms formed again instead of stored), token row after
 token row, and adds up its cells' columns of the gradient of P_x in place (the program holding
 the cells owns them: deterministic, no atomics). Without pooling a cell is a token, and a tile
 of cells a tile of a token row. The gradients of P are exact on the bands and zero elsewhere,
@@ -75,6 +75,11 @@ CELLS_PER_PROGRAM = 16
 CELLS_PER_TILE = 8
 #: Entries of a row of a positional factor one step of the search for its nonzero span reads.
 SPAN_BLOCK = 128
+#: Programs the dx pass (backward pass 2) aims for, a few per multiprocessor of a large GPU:
+#: where an image has fewer tiles of cell columns, its cell rows are split into blocks ...
+DX_PROGRAMS = 512
+#: ... as long as the partial gradients of P_x of the blocks stay within this share of x's bytes
+PARTIAL_SHARE = 1 / 32
 
 
 def _bytes(*tensors):
@@ -719,23 +724,25 @@ def _token_gradients_kernel(g_ptr, x_ptr, centre_ptr, p_y_ptr, p_x_ptr,
 def _input_gradient_kernel(g_ptr, x_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr, p_y_ptr,
                            p_x_ptr, span_y_ptr, span_x_ptr, ratios_ptr, weight_ptr, dm_first_ptr,
                            dm_second_ptr, scale_first_ptr, scale_second_ptr, grad_p_x_ptr, dx_ptr,
-                           H, W, C, pool, d, heads, eps, n_var, POOLED: tl.constexpr,
+                           H, W, C, pool, d, heads, eps, n_var, block_rows, POOLED: tl.constexpr,
                            SPREAD: tl.constexpr, CELLS: tl.constexpr, S_BLOCK: tl.constexpr,
                            C_BLOCK: tl.constexpr):
     """Backward pass 2 for CELLS cell columns cj of image b (CELLS token columns without
-    pooling), cell row after cell row. Once per cell: m formed again, and the products
-    backwards on chip, dL/du = P_y^T dL/dm over the band of P_y's column ci for every row of P_x
-    whose column cj is nonzero and dL/dT = P_x^T dL/du; and the cells' columns of the gradient
-    of P_x (image b's share), sum over the cell rows and each head's channels of dL/du T,
-    accumulated in place by this program, which alone holds them (deterministic, no atomics).
+    pooling) in the cell rows of row block rb (``block_rows`` each), cell row after cell row.
+    Once per cell: m formed again, and the products backwards on chip, dL/du = P_y^T dL/dm over
+    the band of P_y's column ci for every row of P_x whose column cj is nonzero and dL/dT =
+    P_x^T dL/du; and the cells' columns of the gradient of P_x (the share of image b's row block
+    rb), sum over the cell rows and each head's channels of dL/du T, accumulated in place by this
+    program, which alone holds them (deterministic, no atomics).
     Then for the cell's tokens, token row after token row, dx (the per-token terms formed again)
     = D1 + x beta + alpha (Eq. 2 backwards) + (dL/dT_0 + 2 s dL/dT_1) / n, with n the tokens of
     the cell and s = x - centre where T_1 is the cell's mean of (x - centre)^2 (SPREAD), T_0
     where it is T_0^2."""
-    b, block = tl.program_id(0), tl.program_id(1)
+    b, block, rb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     Hp, Wp = (H + pool - 1) // pool, (W + pool - 1) // pool
     cjs = block * CELLS + tl.arange(0, CELLS)
     cells_valid = cjs < Wp
+    grad_p_x_image = grad_p_x_ptr + (b * tl.num_programs(2) + rb) * heads * Wp * Wp
     cols = tl.arange(0, C_BLOCK)
     cmask = cols < C
     cell_mask = cells_valid[:, None] & cmask[None, :]
@@ -754,14 +761,14 @@ def _input_gradient_kernel(g_ptr, x_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr
     scale_images = _image(scale_first_ptr, b, Hp * Wp), _image(scale_second_ptr, b, Hp * Wp)
     for j1 in range(0, Wp):
         for h in range(heads):
-            tl.store(grad_p_x_ptr + ((b * heads + h) * Wp + j1) * Wp + cjs,
+            tl.store(grad_p_x_image + (h * Wp + j1) * Wp + cjs,
                      tl.zeros([CELLS], tl.float32), mask=cells_valid)
     tl.debug_barrier()
     # the rows of P_x that are nonzero at the columns cj
     lo_j, hi_j = _axis_span(span_x_ptr + 2 * Wp, cjs, cells_valid, Wp)
     j, columns_valid = _cell_columns(block * CELLS, pool, W, Wp, CELLS, S_BLOCK)
     columns = tl.minimum(W - cjs * pool, pool)
-    for ci in range(0, Hp):
+    for ci in range(rb * block_rows, tl.minimum((rb + 1) * block_rows, Hp)):
         first, var_it = _inter_token_statistics(
             mean_image, spread_image, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, ci, cjs,
             cells_valid, cell_mask, Hp, Wp, C, d, SPREAD, C_BLOCK)
@@ -789,7 +796,7 @@ def _input_gradient_kernel(g_ptr, x_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr
             dT_second += w * du_second[None, :]
             share = du_first[None, :] * t_first + du_second[None, :] * t_second
             for h in range(heads):
-                out = grad_p_x_ptr + ((b * heads + h) * Wp + j1) * Wp + cjs
+                out = grad_p_x_image + (h * Wp + j1) * Wp + cjs
                 total = tl.load(out, mask=cells_valid, other=0.0)
                 tl.store(out, total + tl.sum(tl.where(head[None, :] == h, share, 0.0), axis=1),
                          mask=cells_valid)
@@ -850,15 +857,28 @@ def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid,
         _launch('triton.token_gradients', _token_gradients_spec(C), (B * H, ),
                 [*common, *factors], [dm, dm_scale, grad_p_y, partial], *common, *factors,
                 *dm_args, grad_p_y, partial, H, W, C, grid.d, heads, float(eps), float(n_var))
-    grad_p_x = torch.empty(B, heads, Wp, Wp, **f32)
+    spec = _input_gradient_spec(C, grid.pool, not square_of_pooled)
+    columns = triton.cdiv(Wp, spec[1]['CELLS'])
+    block_rows = triton.cdiv(Hp, _row_blocks(x, columns, Hp, heads, Wp))
+    row_blocks = triton.cdiv(Hp, block_rows)
+    grad_p_x = torch.empty(B * row_blocks, heads, Wp, Wp, **f32)
     dx = x.new_empty(x.shape)
     cell_pointers = cell_args or [centre, centre]  # without pooling: not read
-    spec = _input_gradient_spec(C, grid.pool, not square_of_pooled)
-    _launch('triton.input_gradient', spec, (B, triton.cdiv(Wp, spec[1]['CELLS'])),
+    _launch('triton.input_gradient', spec, (B, columns, row_blocks),
             [*common, *cell_args, *factors, dm, dm_scale], [grad_p_x, dx], *common,
             *cell_pointers, *factors, *dm_args, grad_p_x, dx, H, W, C, grid.pool, grid.d, heads,
-            float(eps), float(n_var))
+            float(eps), float(n_var), block_rows)
     return dx, grad_p_y.sum(0), grad_p_x.sum(0), partial.sum(0)
+
+
+def _row_blocks(x, columns, Hp, heads, Wp):
+    """Blocks of cell rows the dx pass splits an image's ``columns`` tiles of cells into: enough
+    for about DX_PROGRAMS programs, as long as their partial gradients of P_x (one per image and
+    block, float32, written and added up afterwards) stay within PARTIAL_SHARE of x's bytes."""
+    B = x.shape[0]
+    wanted = triton.cdiv(DX_PROGRAMS, B * columns)
+    affordable = int(PARTIAL_SHARE * x.numel() * x.element_size()) // (B * heads * Wp * Wp * 4)
+    return max(1, min(Hp, wanted, affordable))
 
 
 def _token_gradients_spec(C):
