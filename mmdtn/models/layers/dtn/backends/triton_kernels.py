@@ -40,17 +40,18 @@ the sums for the parameters (written per program and added up afterwards in a fi
 atomics), then reads its dL/dm back from cache for its share of the gradient of P_y (sum of dL/dm u
 over the band's rows of u). Pass 2 (a program per tile of cell columns and block of cell rows,
 walking its cell rows; :func:`_row_blocks`) forms m again and dL/du = P_y^T dL/dm and dL/dT =
-P_x^T dL/du over the bands, once per cell, then dx of the cells' tokens (the per-token terms formed again instead of stored), token row after
-token row, and adds up its cells' columns of the gradient of P_x in place (the program holding
-the cells owns them: deterministic, no atomics). Without pooling a cell is a token, and a tile
-of cells a tile of a token row. The gradients of P are exact on the bands and zero elsewhere,
-where P is an exact zero and the softmax passes no gradient; they are written per image (and
-program) and added up afterwards. Forming the products once per cell rather than once per token
-is what pooling saves on chip (pool^2 times fewer multiply-adds for m). Without
-pooling backward moves about 5 C e + 4 C f bytes per token (f bytes per value of dL/dm, 4 or 2):
-dL/dm, which only a recomputation of m over the band of every neighbour (the band squared) would
-avoid, is most of the rest; with pooling dL/dm and the cell moments are pool^2 times smaller, and
-what both passes read beyond the bound of a design fused as far as the math allows
+P_x^T dL/du over the bands, once per cell, then dx of the cells' tokens (the per-token terms
+formed again instead of stored), token row after token row, and adds up its cells' columns of
+the gradient of P_x in place (the program holding the cells owns them: deterministic, no
+atomics). Without pooling a cell is a token, and a tile of cells a tile of a token row. The
+gradients of P are exact on the bands and zero elsewhere, where P is an exact zero and the
+softmax passes no gradient; they are written per image (and program or row block) and added up
+afterwards. Forming the products once per cell rather than once per token is what pooling saves
+on chip (pool^2 times fewer multiply-adds for m). Without pooling backward moves about
+5 C e + 4 C f bytes per token (f bytes per value of dL/dm, 4 or 2): dL/dm, which only a
+recomputation of m over the band of every neighbour (the band squared) would avoid, is most of
+the rest; with pooling dL/dm and the cell moments are pool^2 times smaller, and what both passes
+read beyond the bound of a design fused as far as the math allows
 (tools/analysis/benchmark_norm.py) is the per-program sums.
 
 Every launch is recorded with the bytes of its operands (:func:`.base.record_launch`); with meta
