@@ -604,6 +604,8 @@ def _cell_gradients_kernel(g_ptr, x_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr
     for tile in range(TILES):
         start = (block * TILES + tile) * CELLS
         cjs = start + tl.arange(0, CELLS)
+        # m as in _inter_token_statistics, written out: through that helper ptxas spills this
+        # kernel at 96 channels with pooling 4 on sm_90 (compile_kernels.py)
         firsts, seconds = _banded_moments(cells[0], cells[1], centre, p_y_ptr, p_x_ptr,
                                           span_y_ptr, span_x_ptr, ci, cjs, cjs < Wp,
                                           (cjs < Wp)[:, None] & cmask[None, :], Hp, Wp, C, d,
