@@ -23,7 +23,8 @@ and pool x pool blocks of tokens with pooling (T from the cell moments that :fun
 writes once, float32: the cell mean and the mean of squares about it; the second moment about
 the centre is that plus the squared mean about the centre, or, in the reference code's
 convention, the square of the pooled mean alone). Eq. 2 is never stored: a program holds whole
-tokens, and every pass that reads a token forms its mean and variance again. Forward:
+tokens, and every pass that reads a token forms its mean and variance again. Every pass with
+pooling reads a token row of a tile of cells at a time (:func:`_cell_columns`). Forward:
 :func:`statistics` (the cell moments, or without pooling only the centre, in one read of x), then
 :func:`output`, whose programs each take a tile of cells of one cell row, read the band of
 cells, cached, and form u = P_x T for the rows of the band and m = P_y u in registers, once per
@@ -35,7 +36,8 @@ Backward, :func:`fused_backward` passes one tensor between two passes, dL/dm (tw
 and channel: float32 for float32 tokens; for 16-bit tokens float16, each cell's values divided by
 their largest magnitude, which is kept in float32), since dL/dT of a cell needs dL/dm of its whole
 band. Pass 1 (a program per token row, or with pooling per CELLS_PER_PROGRAM cells of a cell row,
-walking their tokens) forms m again, writes dL/dm (with pooling the sum over the cell's tokens) and
+in tiles of cells) forms m of a tile's cells again, once per cell, then D1 and D2 of the cells'
+tokens, token row after token row, writes dL/dm (with pooling the sum over the cell's tokens) and
 the sums for the parameters (written per program and added up afterwards in a fixed order: no float
 atomics), then reads its dL/dm back from cache for its share of the gradient of P_y (sum of dL/dm u
 over the band's rows of u). Pass 2 (a program per tile of cell columns and block of cell rows,
@@ -72,8 +74,6 @@ ELEMENTS_PER_THREAD = 8
 #: Cells of one cell row a program of the passes with pooling covers: its partial sums are
 #: written once.
 CELLS_PER_PROGRAM = 16
-#: Cells whose products the backward pass with pooling forms at once, in registers.
-CELLS_PER_TILE = 8
 #: Entries of a row of a positional factor one step of the search for its nonzero span reads.
 SPAN_BLOCK = 128
 #: Programs the dx pass (backward pass 2) aims for, a few per multiprocessor of a large GPU:
@@ -143,15 +143,6 @@ def _image(ptr, b, size):
 
 
 @triton.jit
-def _cell_row(ci, cj, r, pool, H, W, S_BLOCK: tl.constexpr):
-    """The tokens (within the image) of token row r of cell (ci, cj), and which are real."""
-    j = cj * pool + tl.arange(0, S_BLOCK)
-    i = ci * pool + r
-    valid = (j < W) & (tl.arange(0, S_BLOCK) < pool) & (i < H)
-    return i * W + j, valid
-
-
-@triton.jit
 def _cell_columns(start, pool, W, Wp, CELLS: tl.constexpr, S_BLOCK: tl.constexpr):
     """The token columns of cells start ... start + CELLS - 1 of a cell row, S_BLOCK per cell
     (CELLS * S_BLOCK, cell after cell), and which are real; without pooling (pool = S_BLOCK = 1)
@@ -202,41 +193,54 @@ def _channel_rows(ratios_ptr, weight_ptr, C, C_BLOCK: tl.constexpr):
 
 
 # ---------------------------------------------------------------------------- statistics
+@triton.jit
+def _cell_sums(values, CELLS: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
+    """Sums [CELLS, C_BLOCK] over each cell's S_BLOCK token columns of values [CELLS * S_BLOCK,
+    C_BLOCK] ordered as :func:`_cell_columns` orders them (the inverse of :func:`_per_token`)."""
+    if S_BLOCK == 1:
+        return values
+    return tl.sum(tl.reshape(values, [CELLS, S_BLOCK, C_BLOCK]), axis=1)
+
+
 @triton.jit(do_not_specialize=['H', 'W', 'C'])
 def _cell_statistics_kernel(x_ptr, cell_mean_ptr, cell_var_ptr, partial_ptr, H, W, C, pool,
-                            CELLS: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
-    """With pooling: for CELLS cells of cell row ci of image b the mean of x and the mean of
-    squares about it (rows merged as in Chan et al.), and the sum of the cell means (for the
-    centre)."""
+                            CELLS: tl.constexpr, TILES: tl.constexpr, S_BLOCK: tl.constexpr,
+                            C_BLOCK: tl.constexpr):
+    """With pooling: for TILES tiles of CELLS cells of cell row ci of image b the mean of x and
+    the mean of squares about it, a token row of the tile's cells at a time (rows merged as in
+    Chan et al.), and the sum of the cell means (for the centre)."""
     row, block = tl.program_id(0), tl.program_id(1)
     Hp, Wp = (H + pool - 1) // pool, (W + pool - 1) // pool
     b, ci = row // Hp, row % Hp
     cols = tl.arange(0, C_BLOCK)
     x_image = _image(x_ptr, b, H * W * C)
     total_mean = tl.zeros([C_BLOCK], tl.float32)
-    for c in range(CELLS):
-        cj = block * CELLS + c
-        if cj < Wp:
-            count = tl.zeros([C_BLOCK], tl.float32)
-            mean = tl.zeros([C_BLOCK], tl.float32)
-            m2 = tl.zeros([C_BLOCK], tl.float32)
-            for r in range(0, pool):
-                tokens, valid = _cell_row(ci, cj, r, pool, H, W, S_BLOCK)
-                x, mask = _load_tokens(x_image, tokens, valid, C, C_BLOCK)
-                n = tl.sum(valid.to(tl.float32), axis=0)
-                row_mean = tl.sum(x, axis=0) / tl.maximum(n, 1.0)
-                diff = tl.where(mask, x - row_mean[None, :], 0.0)
-                row_m2 = tl.sum(diff * diff, axis=0)
-                total = count + n
-                delta = row_mean - mean
-                share = n / tl.maximum(total, 1.0)
-                mean += delta * share
-                m2 += row_m2 + delta * delta * count * share
-                count = total
-            out = (row * Wp + cj).to(tl.int64) * C + cols
-            tl.store(cell_mean_ptr + out, mean, mask=cols < C)
-            tl.store(cell_var_ptr + out, m2 / count, mask=cols < C)
-            total_mean += mean
+    for tile in range(TILES):
+        start = (block * TILES + tile) * CELLS
+        cjs = start + tl.arange(0, CELLS)
+        j, real = _cell_columns(start, pool, W, Wp, CELLS, S_BLOCK)
+        count = tl.zeros([CELLS], tl.float32)
+        mean = tl.zeros([CELLS, C_BLOCK], tl.float32)
+        m2 = tl.zeros([CELLS, C_BLOCK], tl.float32)
+        for r in range(0, pool):
+            i = ci * pool + r
+            valid = real & (i < H)
+            x, mask = _load_tokens(x_image, i * W + j, valid, C, C_BLOCK)
+            n = tl.sum(tl.reshape(valid.to(tl.float32), [CELLS, S_BLOCK]), axis=1)
+            row_mean = _cell_sums(x, CELLS, S_BLOCK, C_BLOCK) / tl.maximum(n, 1.0)[:, None]
+            diff = tl.where(mask, x - _per_token(row_mean, CELLS, S_BLOCK, C_BLOCK), 0.0)
+            row_m2 = _cell_sums(diff * diff, CELLS, S_BLOCK, C_BLOCK)
+            total = count + n
+            delta = row_mean - mean
+            share = (n / tl.maximum(total, 1.0))[:, None]
+            mean += delta * share
+            m2 += row_m2 + delta * delta * count[:, None] * share
+            count = total
+        cell_mask = (cjs < Wp)[:, None] & (cols < C)[None, :]
+        out = (row * Wp + cjs).to(tl.int64)[:, None] * C + cols[None, :]
+        tl.store(cell_mean_ptr + out, mean, mask=cell_mask)
+        tl.store(cell_var_ptr + out, m2 / tl.maximum(count, 1.0)[:, None], mask=cell_mask)
+        total_mean += tl.sum(tl.where(cell_mask, mean, 0.0), axis=0)
     tl.store(partial_ptr + (row * tl.num_programs(1) + block).to(tl.int64) * C + cols,
              total_mean, mask=cols < C)
 
@@ -261,7 +265,8 @@ def statistics(x, grid):
 
 def _statistics_spec(C, pool):
     """(kernel, constexprs, num_warps) of the statistics pass with pooling."""
-    return (_cell_statistics_kernel, dict(CELLS=CELLS_PER_PROGRAM,
+    cells, tiles = _pooled_tiles(C, pool)
+    return (_cell_statistics_kernel, dict(CELLS=cells, TILES=tiles,
                                           S_BLOCK=triton.next_power_of_2(pool),
                                           C_BLOCK=_c_block(C)), _warps(C))
 
@@ -453,6 +458,14 @@ def _cells(C, pool):
     return max(1, _tile(C) // triton.next_power_of_2(pool))
 
 
+def _pooled_tiles(C, pool):
+    """(cells per tile, tiles) of a program of the passes with pooling that write sums per
+    program (statistics, backward pass 1): CELLS_PER_PROGRAM cells of a cell row in tiles of
+    :func:`_cells` cells."""
+    cells = min(_cells(C, pool), CELLS_PER_PROGRAM)
+    return cells, CELLS_PER_PROGRAM // cells
+
+
 def _output_spec(C, pool, spread):
     """With pooling twice the cells of :func:`_cells` per tile: besides x the output pass holds
     only its cells' statistics, which their tokens share."""
@@ -488,6 +501,18 @@ def _add(total, carry, value):
     new = total + value
     error = tl.where(tl.abs(total) >= tl.abs(value), (total - new) + value, (value - new) + total)
     return new, carry + error
+
+
+@triton.jit
+def _token_sum(values, TOKENS: tl.constexpr, C_BLOCK: tl.constexpr):
+    """The sum over the tokens of values [TOKENS, C_BLOCK] (TOKENS a power of two, at most 128),
+    as a tree of pairwise sums: the rounding error grows with log2(TOKENS) in whatever order
+    the additions run (the interpreter's tl.sum adds row after row). Compiled, it is the same
+    reduction as tl.sum (the same shared memory and barriers on sm_90)."""
+    for level in tl.static_range(7):
+        if (TOKENS >> level) > 1:
+            values = tl.sum(tl.reshape(values, [2, TOKENS >> (level + 1), C_BLOCK]), axis=0)
+    return tl.reshape(values, [C_BLOCK])
 
 
 @triton.jit
@@ -577,92 +602,6 @@ def _rows_gradient(grad_ptr, dm_images, scale_images, mean_image, spread_image, 
             tl.store(grad_ptr + h * H * H + i2, tl.sum(tl.where(head == h, total, 0.0), axis=0))
 
 
-@triton.jit(do_not_specialize=['H', 'W', 'C'])
-def _cell_gradients_kernel(g_ptr, x_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr, p_y_ptr,
-                           p_x_ptr, span_y_ptr, span_x_ptr, ratios_ptr, weight_ptr, dm_first_ptr,
-                           dm_second_ptr, scale_first_ptr, scale_second_ptr, grad_p_y_ptr,
-                           partial_ptr, H, W, C, pool, d, heads, eps, n_var, SPREAD: tl.constexpr,
-                           CELLS: tl.constexpr, TILES: tl.constexpr, S_BLOCK: tl.constexpr,
-                           C_BLOCK: tl.constexpr):
-    """With pooling, backward pass 1 for TILES tiles of CELLS cells of cell row ci of image b:
-    with m of a tile's cells formed on chip from the band of cell moments, dL/dm of the cells
-    (written) from the sums of D1 and D2 over their tokens, and the sums for the parameters; then
-    the cells' share of the gradient of P_y (:func:`_rows_gradient`)."""
-    row, block = tl.program_id(0), tl.program_id(1)
-    Hp, Wp = (H + pool - 1) // pool, (W + pool - 1) // pool
-    b, ci = row // Hp, row % Hp
-    cols = tl.arange(0, C_BLOCK)
-    cmask = cols < C
-    centre, lam_m, kap_m, lam_v, kap_v, weight = _image_constants(centre_ptr, ratios_ptr,
-                                                                  weight_ptr, b, C, C_BLOCK)
-    cells = _image(cell_mean_ptr, b, Hp * Wp * C), _image(cell_var_ptr, b, Hp * Wp * C)
-    dm_images = _image(dm_first_ptr, b, Hp * Wp * C), _image(dm_second_ptr, b, Hp * Wp * C)
-    scale_images = _image(scale_first_ptr, b, Hp * Wp), _image(scale_second_ptr, b, Hp * Wp)
-    x_image, g_image = _image(x_ptr, b, H * W * C), _image(g_ptr, b, H * W * C)
-    s_xg, s_g, s_mu, s_var, s_mit, s_vit = _zero_sums(C_BLOCK)
-    c_xg, c_g, c_mu, c_var, c_mit, c_vit = _zero_sums(C_BLOCK)  # their compensations (_add)
-    for tile in range(TILES):
-        start = (block * TILES + tile) * CELLS
-        cjs = start + tl.arange(0, CELLS)
-        # m as in _inter_token_statistics, written out: through that helper ptxas spills this
-        # kernel at 96 channels with pooling 4 on sm_90 (compile_kernels.py)
-        firsts, seconds = _banded_moments(cells[0], cells[1], centre, p_y_ptr, p_x_ptr,
-                                          span_y_ptr, span_x_ptr, ci, cjs, cjs < Wp,
-                                          (cjs < Wp)[:, None] & cmask[None, :], Hp, Wp, C, d,
-                                          SPREAD, C_BLOCK)
-        var_its = tl.maximum(seconds - firsts * firsts, 0.0)
-        for c in range(CELLS):
-            cj = start + c
-            if cj < Wp:
-                # the cell's m as one row [1, C_BLOCK], broadcast over its tokens
-                pick = (tl.arange(0, CELLS) == c)[:, None]
-                first = tl.sum(tl.where(pick, firsts, 0.0), axis=0)
-                var_it = tl.sum(tl.where(pick, var_its, 0.0), axis=0)
-                cell_d1 = tl.zeros([C_BLOCK], tl.float32)
-                cell_d2 = tl.zeros([C_BLOCK], tl.float32)
-                for r in range(0, pool):
-                    tokens, valid = _cell_row(ci, cj, r, pool, H, W, S_BLOCK)
-                    x, mask = _load_tokens(x_image, tokens, valid, C, C_BLOCK)
-                    g, _ = _load_tokens(g_image, tokens, valid, C, C_BLOCK)
-                    mean_ln, var_ln = _ln_statistics(x, mask, C, n_var)
-                    d1, d2, xg = _token_terms(x, g, mean_ln, var_ln, first[None, :],
-                                              var_it[None, :], centre[None, :], lam_m, kap_m,
-                                              lam_v, kap_v, weight, eps)
-                    d1, d2 = tl.where(mask, d1, 0.0), tl.where(mask, d2, 0.0)
-                    cell_d1 += tl.sum(d1, axis=0)
-                    cell_d2 += tl.sum(d2, axis=0)
-                    s_xg, c_xg = _add(s_xg, c_xg, tl.sum(tl.where(mask, xg, 0.0), axis=0))
-                    s_g, c_g = _add(s_g, c_g, tl.sum(g, axis=0))
-                    s_mu, c_mu = _add(s_mu, c_mu, tl.sum(mean_ln[:, None] * d1, axis=0))
-                    s_var, c_var = _add(s_var, c_var, tl.sum(var_ln[:, None] * d2, axis=0))
-                s_mit, c_mit = _add(s_mit, c_mit, (first + centre) * cell_d1)
-                s_vit, c_vit = _add(s_vit, c_vit, var_it * cell_d2)
-                dm_first, dm_second = _cell_gradient(first, var_it, cell_d1, cell_d2,
-                                                     tl.reshape(kap_m, [C_BLOCK]),
-                                                     tl.reshape(kap_v, [C_BLOCK]))
-                cell = ci * Wp + cj + tl.zeros([1], tl.int32)
-                _store_gradient(dm_images[0], scale_images[0], cell, cell >= 0,
-                                dm_first[None, :], cmask[None, :], C, C_BLOCK)
-                _store_gradient(dm_images[1], scale_images[1], cell, cell >= 0,
-                                dm_second[None, :], cmask[None, :], C, C_BLOCK)
-    _store_sums(partial_ptr, row * tl.num_programs(1) + block, C, s_xg + c_xg, s_g + c_g,
-                s_mu + c_mu, s_var + c_var, s_mit + c_mit, s_vit + c_vit, C_BLOCK)
-    tl.debug_barrier()  # dL/dm of the cells, written above, is read back below
-    image_block = b * tl.num_programs(1) + block
-    _rows_gradient(grad_p_y_ptr + (image_block * heads * Hp + ci) * Hp, dm_images,
-                   scale_images, cells[0], cells[1], centre, p_x_ptr, span_y_ptr, span_x_ptr, ci,
-                   block * TILES * CELLS, tl.minimum((block + 1) * TILES * CELLS, Wp), Hp, Wp, C,
-                   d, heads, SPREAD, CELLS, C_BLOCK)
-
-
-def _cell_gradients_spec(C, pool, spread):
-    return (_cell_gradients_kernel, dict(SPREAD=spread, CELLS=CELLS_PER_TILE,
-                                         TILES=CELLS_PER_PROGRAM // CELLS_PER_TILE,
-                                         S_BLOCK=triton.next_power_of_2(pool),
-                                         C_BLOCK=_c_block(C)), _warps(C))
-
-
-# ---------------------------------------------------------------------------- fused backward
 @triton.jit
 def _fused_token_terms(x_image, g_image, first, var_it, centre, lam_m, kap_m, lam_v, kap_v,
                        weight, tokens, valid, C, eps, n_var, C_BLOCK: tl.constexpr):
@@ -677,53 +616,91 @@ def _fused_token_terms(x_image, g_image, first, var_it, centre, lam_m, kap_m, la
     return x, mask, g, mean_ln, var_ln, tl.where(mask, d1, 0.0), tl.where(mask, d2, 0.0), xg
 
 
-@triton.jit(do_not_specialize=['H', 'W', 'C'])
-def _token_gradients_kernel(g_ptr, x_ptr, centre_ptr, p_y_ptr, p_x_ptr,
-                            span_y_ptr, span_x_ptr, ratios_ptr, weight_ptr, dm_first_ptr,
-                            dm_second_ptr, scale_first_ptr, scale_second_ptr, grad_p_y_ptr,
-                            partial_ptr, H, W, C, d, heads, eps, n_var, TILE: tl.constexpr,
-                            C_BLOCK: tl.constexpr):
-    """Without pooling, backward pass 1 for token row i of image b: with m formed on chip, dL/dm
-    of its tokens (written) and their sums for the parameters; then row i of image b's share of
-    the gradient of P_y (:func:`_rows_gradient`)."""
-    row = tl.program_id(0)
-    b, i = row // H, row % H
+@triton.jit(do_not_specialize=['H', 'W', 'C', 'tiles'])
+def _cell_gradients_kernel(g_ptr, x_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr, p_y_ptr,
+                           p_x_ptr, span_y_ptr, span_x_ptr, ratios_ptr, weight_ptr, dm_first_ptr,
+                           dm_second_ptr, scale_first_ptr, scale_second_ptr, grad_p_y_ptr,
+                           partial_ptr, H, W, C, pool, d, heads, eps, n_var, tiles,
+                           POOLED: tl.constexpr, SPREAD: tl.constexpr, CELLS: tl.constexpr,
+                           S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
+    """Backward pass 1 for ``tiles`` tiles of CELLS cells of cell row ci of image b (without
+    pooling of tokens of token row ci): with m of a tile's cells formed on chip from the band of
+    cell moments, once per cell, D1 and D2 of their tokens, token row after token row, summed
+    over each cell's tokens into dL/dm of the cells (written), and the sums for the parameters;
+    then the cells' share of the gradient of P_y (:func:`_rows_gradient`)."""
+    row, block = tl.program_id(0), tl.program_id(1)
+    Hp, Wp = (H + pool - 1) // pool, (W + pool - 1) // pool
+    b, ci = row // Hp, row % Hp
+    cols = tl.arange(0, C_BLOCK)
+    cmask = cols < C
     centre, lam_m, kap_m, lam_v, kap_v, weight = _image_constants(centre_ptr, ratios_ptr,
                                                                   weight_ptr, b, C, C_BLOCK)
     x_image, g_image = _image(x_ptr, b, H * W * C), _image(g_ptr, b, H * W * C)
-    dm_images = _image(dm_first_ptr, b, H * W * C), _image(dm_second_ptr, b, H * W * C)
-    scale_images = _image(scale_first_ptr, b, H * W), _image(scale_second_ptr, b, H * W)
+    if POOLED:
+        mean_image = _image(cell_mean_ptr, b, Hp * Wp * C)
+        spread_image = _image(cell_var_ptr, b, Hp * Wp * C)
+    else:  # the tokens are the cells
+        mean_image = x_image
+        spread_image = x_image
+    dm_images = _image(dm_first_ptr, b, Hp * Wp * C), _image(dm_second_ptr, b, Hp * Wp * C)
+    scale_images = _image(scale_first_ptr, b, Hp * Wp), _image(scale_second_ptr, b, Hp * Wp)
+    TOKENS: tl.constexpr = CELLS * S_BLOCK  # of a token row of a tile
     s_xg, s_g, s_mu, s_var, s_mit, s_vit = _zero_sums(C_BLOCK)
     c_xg, c_g, c_mu, c_var, c_mit, c_vit = _zero_sums(C_BLOCK)  # their compensations (_add)
-    for start in range(0, W, TILE):
-        j = start + tl.arange(0, TILE)
-        valid = j < W
-        tokens = i * W + j
+    for tile in range(0, tiles):
+        start = (block * tiles + tile) * CELLS
+        cjs = start + tl.arange(0, CELLS)
+        cells_valid = cjs < Wp
+        cell_mask = cells_valid[:, None] & cmask[None, :]
         first, var_it = _inter_token_statistics(
-            x_image, x_image, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, i, j, valid,
-            valid[:, None] & (tl.arange(0, C_BLOCK) < C)[None, :], H, W, C, d, False, C_BLOCK)
-        x, mask, g, mean_ln, var_ln, d1, d2, xg = _fused_token_terms(
-            x_image, g_image, first, var_it, centre, lam_m, kap_m, lam_v, kap_v, weight, tokens,
-            valid, C, eps, n_var, C_BLOCK)
-        dm_first, dm_second = _cell_gradient(first, var_it, d1, d2, kap_m, kap_v)
-        _store_gradient(dm_images[0], scale_images[0], tokens, valid, dm_first, mask, C, C_BLOCK)
-        _store_gradient(dm_images[1], scale_images[1], tokens, valid, dm_second, mask, C,
-                        C_BLOCK)
-        s_xg, c_xg = _add(s_xg, c_xg, tl.sum(tl.where(mask, xg, 0.0), axis=0))
-        s_g, c_g = _add(s_g, c_g, tl.sum(g, axis=0))
-        s_mu, c_mu = _add(s_mu, c_mu, tl.sum(mean_ln[:, None] * d1, axis=0))
-        s_var, c_var = _add(s_var, c_var, tl.sum(var_ln[:, None] * d2, axis=0))
-        s_mit, c_mit = _add(s_mit, c_mit, tl.sum((first + centre[None, :]) * d1, axis=0))
-        s_vit, c_vit = _add(s_vit, c_vit, tl.sum(var_it * d2, axis=0))
-    _store_sums(partial_ptr, row, C, s_xg + c_xg, s_g + c_g, s_mu + c_mu, s_var + c_var,
-                s_mit + c_mit, s_vit + c_vit, C_BLOCK)
-    tl.debug_barrier()  # dL/dm of the row, written above, is read back below
-    _rows_gradient(grad_p_y_ptr + (b * heads * H + i) * H, dm_images, scale_images, x_image,
-                   x_image, centre, p_x_ptr, span_y_ptr, span_x_ptr, i, 0, W, H, W, C, d, heads,
-                   False, TILE, C_BLOCK)
+            mean_image, spread_image, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, ci, cjs,
+            cells_valid, cell_mask, Hp, Wp, C, d, SPREAD, C_BLOCK)
+        j, columns_valid = _cell_columns(start, pool, W, Wp, CELLS, S_BLOCK)
+        cell_d1 = tl.zeros(cell_mask.shape, tl.float32)
+        cell_d2 = tl.zeros(cell_mask.shape, tl.float32)
+        for r in range(0, pool):  # the cell values repeated for each token row (few registers)
+            i = ci * pool + r
+            x, mask, g, mean_ln, var_ln, d1, d2, xg = _fused_token_terms(
+                x_image, g_image, _per_token(first, CELLS, S_BLOCK, C_BLOCK),
+                _per_token(var_it, CELLS, S_BLOCK, C_BLOCK), centre, lam_m, kap_m, lam_v, kap_v,
+                weight, i * W + j, columns_valid & (i < H), C, eps, n_var, C_BLOCK)
+            cell_d1 += _cell_sums(d1, CELLS, S_BLOCK, C_BLOCK)
+            cell_d2 += _cell_sums(d2, CELLS, S_BLOCK, C_BLOCK)
+            s_xg, c_xg = _add(s_xg, c_xg, _token_sum(tl.where(mask, xg, 0.0), TOKENS, C_BLOCK))
+            s_g, c_g = _add(s_g, c_g, _token_sum(g, TOKENS, C_BLOCK))
+            s_mu, c_mu = _add(s_mu, c_mu, _token_sum(mean_ln[:, None] * d1, TOKENS, C_BLOCK))
+            s_var, c_var = _add(s_var, c_var, _token_sum(var_ln[:, None] * d2, TOKENS, C_BLOCK))
+        s_mit, c_mit = _add(s_mit, c_mit,
+                            _token_sum((first + centre[None, :]) * cell_d1, CELLS, C_BLOCK))
+        s_vit, c_vit = _add(s_vit, c_vit, _token_sum(var_it * cell_d2, CELLS, C_BLOCK))
+        dm_first, dm_second = _cell_gradient(first, var_it, cell_d1, cell_d2, kap_m, kap_v)
+        cells = ci * Wp + cjs
+        _store_gradient(dm_images[0], scale_images[0], cells, cells_valid, dm_first, cell_mask,
+                        C, C_BLOCK)
+        _store_gradient(dm_images[1], scale_images[1], cells, cells_valid, dm_second, cell_mask,
+                        C, C_BLOCK)
+    _store_sums(partial_ptr, row * tl.num_programs(1) + block, C, s_xg + c_xg, s_g + c_g,
+                s_mu + c_mu, s_var + c_var, s_mit + c_mit, s_vit + c_vit, C_BLOCK)
+    tl.debug_barrier()  # dL/dm of the cells, written above, is read back below
+    image_block = b * tl.num_programs(1) + block
+    _rows_gradient(grad_p_y_ptr + (image_block * heads * Hp + ci) * Hp, dm_images,
+                   scale_images, mean_image, spread_image, centre, p_x_ptr, span_y_ptr,
+                   span_x_ptr, ci, block * tiles * CELLS, tl.minimum((block + 1) * tiles * CELLS,
+                                                                     Wp),
+                   Hp, Wp, C, d, heads, SPREAD, CELLS, C_BLOCK)
 
 
-@triton.jit(do_not_specialize=['H', 'W', 'C'])
+def _cell_gradients_spec(C, pool, spread):
+    """Tiles of :func:`_pooled_tiles` cells, or without pooling of :func:`_tile` tokens."""
+    cells = _pooled_tiles(C, pool)[0] if pool > 1 else _tile(C)
+    return (_cell_gradients_kernel, dict(POOLED=pool > 1, SPREAD=pool > 1 and spread,
+                                         CELLS=cells,
+                                         S_BLOCK=triton.next_power_of_2(pool),
+                                         C_BLOCK=_c_block(C)), _warps(C))
+
+
+# ---------------------------------------------------------------------------- fused backward
+@triton.jit(do_not_specialize=['H', 'W', 'C', 'block_rows'])
 def _input_gradient_kernel(g_ptr, x_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr, p_y_ptr,
                            p_x_ptr, span_y_ptr, span_x_ptr, ratios_ptr, weight_ptr, dm_first_ptr,
                            dm_second_ptr, scale_first_ptr, scale_second_ptr, grad_p_x_ptr, dx_ptr,
@@ -846,27 +823,25 @@ def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid,
     common = [g, x]
     factors = [centre, p_y, p_x, span_y, span_x, ratios, weight]
     cell_args = [] if cells is None else [cells[0], cells[1]]
+    spec = _cell_gradients_spec(C, grid.pool, not square_of_pooled)
     if grid.pooled:
-        programs = (B * Hp, triton.cdiv(Wp, CELLS_PER_PROGRAM))
-        grad_p_y = torch.empty(B * programs[1], heads, Hp, Hp, **f32)
-        partial = torch.empty(programs[0] * programs[1], 6, C, **f32)
-        _launch('triton.cell_gradients', _cell_gradients_spec(C, grid.pool, not square_of_pooled),
-                programs, [*common, *cell_args, *factors], [dm, dm_scale, grad_p_y, partial],
-                *common, *cell_args, *factors, *dm_args, grad_p_y, partial, H, W, C, grid.pool,
-                grid.d, heads, float(eps), float(n_var))
-    else:
-        grad_p_y = torch.empty(B, heads, H, H, **f32)
-        partial = torch.empty(B * H, 6, C, **f32)
-        _launch('triton.token_gradients', _token_gradients_spec(C), (B * H, ),
-                [*common, *factors], [dm, dm_scale, grad_p_y, partial], *common, *factors,
-                *dm_args, grad_p_y, partial, H, W, C, grid.d, heads, float(eps), float(n_var))
+        tiles = _pooled_tiles(C, grid.pool)[1]
+    else:  # a program per token row
+        tiles = triton.cdiv(W, spec[1]['CELLS'])
+    programs = (B * Hp, triton.cdiv(Wp, tiles * spec[1]['CELLS']))
+    grad_p_y = torch.empty(B * programs[1], heads, Hp, Hp, **f32)
+    partial = torch.empty(programs[0] * programs[1], 6, C, **f32)
+    cell_pointers = cell_args or [centre, centre]  # without pooling: not read
+    _launch('triton.cell_gradients', spec, programs, [*common, *cell_args, *factors],
+            [dm, dm_scale, grad_p_y, partial], *common, *cell_pointers, *factors, *dm_args,
+            grad_p_y, partial, H, W, C, grid.pool, grid.d, heads, float(eps), float(n_var),
+            tiles)
     spec = _input_gradient_spec(C, grid.pool, not square_of_pooled)
     columns = triton.cdiv(Wp, spec[1]['CELLS'])
     block_rows = triton.cdiv(Hp, _row_blocks(x, columns, Hp, heads, Wp))
     row_blocks = triton.cdiv(Hp, block_rows)
     grad_p_x = torch.empty(B * row_blocks, heads, Wp, Wp, **f32)
     dx = x.new_empty(x.shape)
-    cell_pointers = cell_args or [centre, centre]  # without pooling: not read
     _launch('triton.input_gradient', spec, (B, columns, row_blocks),
             [*common, *cell_args, *factors, dm, dm_scale], [grad_p_x, dx], *common,
             *cell_pointers, *factors, *dm_args, grad_p_x, dx, H, W, C, grid.pool, grid.d, heads,
@@ -882,10 +857,6 @@ def _row_blocks(x, columns, Hp, heads, Wp):
     wanted = triton.cdiv(DX_PROGRAMS, B * columns)
     affordable = int(PARTIAL_SHARE * x.numel() * x.element_size()) // (B * heads * Wp * Wp * 4)
     return max(1, min(Hp, wanted, affordable))
-
-
-def _token_gradients_spec(C):
-    return _token_gradients_kernel, dict(TILE=_tile(C), C_BLOCK=_c_block(C)), _warps(C)
 
 
 def _input_gradient_spec(C, pool, spread):
@@ -904,7 +875,7 @@ def specializations(C, pool, square_of_pooled=False):
     aside). The image size is not part of it."""
     if pool == 1:  # the products fused into the passes
         return [_spans_spec(), _output_spec(C, 1, False),
-                _token_gradients_spec(C), _input_gradient_spec(C, 1, False)]
+                _cell_gradients_spec(C, 1, False), _input_gradient_spec(C, 1, False)]
     spread = not square_of_pooled
     return [_statistics_spec(C, pool), _spans_spec(), _output_spec(C, pool, spread),
             _cell_gradients_spec(C, pool, spread), _input_gradient_spec(C, pool, spread)]
