@@ -1,6 +1,10 @@
 """DynamicTokenNorm's Triton backend without a GPU: its kernels in Triton's interpreter on CPU
 tensors against the dense reference, their compilation for sm_90, and the choice of the backend
-for CUDA tensors."""
+for CUDA tensors.
+
+On a machine with a CUDA GPU, ``TRITON_INTERPRET=0 python -m pytest tests/test_dtn_triton.py``
+runs the same tests on the GPU, with the kernels compiled (the dense reference stays on the CPU,
+in float64)."""
 import json
 import os
 import subprocess
@@ -22,8 +26,12 @@ from mmdtn.models.layers.dtn.positional import axis_factors, paper_coefficients
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-pytestmark = pytest.mark.skipif(not triton_backend.interpreting(),
-                                reason='the interpreter tests need TRITON_INTERPRET=1 (conftest)')
+#: Where the kernels run: CPU tensors in the interpreter, CUDA tensors compiled.
+DEVICE = 'cpu' if triton_backend.interpreting() else 'cuda'
+pytestmark = pytest.mark.skipif(
+    DEVICE == 'cuda' and not torch.cuda.is_available(),
+    reason='the kernels run in the interpreter (TRITON_INTERPRET=1, which conftest sets) or on a '
+    'CUDA GPU')
 
 
 @pytest.fixture
@@ -37,16 +45,17 @@ def relative_errors(norm, x, hw, loss_scale=1.0):
     x may have any dtype."""
     x = x.detach().requires_grad_()
     y = norm(x, hw)
-    g = loss_scale * torch.linspace(-1, 1, y.numel()).view_as(y)
+    g = loss_scale * torch.linspace(-1, 1, y.numel(), device=y.device).view_as(y)
     grads = torch.autograd.grad((y.float() * g).sum(), [x, *norm.parameters()])
     reference = DynamicTokenNorm(norm.num_features, norm.num_heads, norm.pool_size, norm.eps,
                                  reference_compat=norm.reference_compat).double()
     reference.load_state_dict(norm.state_dict())
-    xd = x.detach().double().requires_grad_()
+    xd = x.detach().cpu().double().requires_grad_()
     ref = dense_dtn(xd, hw, reference)[0]
-    ref_grads = torch.autograd.grad((ref * g.double()).sum(), [xd, *reference.parameters()])
-    errors = [((y.double() - ref).abs().max() / ref.abs().max()).item()]
-    errors += [((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+    ref_grads = torch.autograd.grad((ref * g.cpu().double()).sum(),
+                                    [xd, *reference.parameters()])
+    errors = [((y.cpu().double() - ref).abs().max() / ref.abs().max()).item()]
+    errors += [((a.cpu().double() - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
                for a, b in zip(grads, ref_grads)]
     assert y.dtype == x.dtype and grads[0].dtype == x.dtype
     return errors
@@ -61,15 +70,15 @@ def test_equals_dense_reference_float32(triton_dtn, hw, pool, heads, C, B, refer
     1, 3, 4, 5, a channel count that is not a power of two (96), batch 1 and 3; forward and every
     gradient to float32 rounding."""
     norm = randomize(DynamicTokenNorm(C, heads, pool_size=pool, eps=1e-5,
-                                      reference_compat=reference_compat)).float()
-    x = tokens(B, *hw, C, torch.float32)
+                                      reference_compat=reference_compat)).float().to(DEVICE)
+    x = tokens(B, *hw, C, torch.float32).to(DEVICE)
     assert max(relative_errors(norm, x, hw)) < 1e-5
 
 
 def outputs_and_gradients(norm, x, hw):
     x = x.detach().requires_grad_()
     y = norm(x, hw)
-    g = torch.linspace(-1, 1, y.numel()).view_as(y)
+    g = torch.linspace(-1, 1, y.numel(), device=y.device).view_as(y)
     return [y, *torch.autograd.grad((y * g).sum(), [x, *norm.parameters()])]
 
 
@@ -87,9 +96,10 @@ def test_banded_products(triton_dtn, hw, pool, heads, B, reference_compat):
                                       reference_compat=reference_compat)).float()
     with torch.no_grad():
         norm.pos_coef[:, 0] = -torch.linspace(1.0, 4.0, heads)
+    norm.to(DEVICE)
     p_y, p_x = norm.axis_matrices(hw)
     assert (p_x[:, 0] == 0).any() or (p_y[:, 0] == 0).any()  # a real band
-    x = tokens(B, *hw, C, torch.float32)
+    x = tokens(B, *hw, C, torch.float32).to(DEVICE)
     assert max(relative_errors(norm, x, hw)) < 1e-5
     triton_results = outputs_and_gradients(norm, x, hw)
     set_dtn_backend('torch')
@@ -104,10 +114,11 @@ def test_dx_pass_in_blocks_of_cell_rows(triton_dtn, monkeypatch, hw, pool, heads
     their partial gradients of P_x added up afterwards) equals the dense reference."""
     monkeypatch.setattr(triton_kernels, 'DX_PROGRAMS', 10**6)
     monkeypatch.setattr(triton_kernels, 'PARTIAL_SHARE', 10.0**6)
-    x = tokens(B, *hw, 4 * heads, torch.float32)
+    x = tokens(B, *hw, 4 * heads, torch.float32).to(DEVICE)
     grid = TokenGrid.of(x, hw, heads, pool)
     assert triton_kernels._row_blocks(x, 1, grid.Hp, heads, grid.Wp) == grid.Hp > 2
     norm = randomize(DynamicTokenNorm(4 * heads, heads, pool_size=pool, eps=1e-5)).float()
+    norm.to(DEVICE)
     assert max(relative_errors(norm, x, hw)) < 1e-5
 
 
@@ -136,7 +147,7 @@ def test_factors_in_one_launch_equal_the_pytorch_formulation(heads, rows, cols):
     the gradient of the coefficients equals that of the float64 formulation to float32 rounding
     of its sums, also when one factor takes no part in the loss (its gradient None)."""
     torch.manual_seed(0)
-    coef = (paper_coefficients(heads) + 0.2 * torch.randn(heads, 3)).requires_grad_()
+    coef = (paper_coefficients(heads) + 0.2 * torch.randn(heads, 3)).to(DEVICE).requires_grad_()
     with recording_launches() as launches:
         factors = triton_factors.axis_factors(coef, rows, cols)
     assert [k.name for k in launches] == ['triton.axis_factors']
@@ -147,8 +158,8 @@ def test_factors_in_one_launch_equal_the_pytorch_formulation(heads, rows, cols):
     expected = axis_factors(coef64, rows, cols)
 
     def gradient(ps, wrt, used):
-        grads = [torch.linspace(-1.0, 2.0, ps[i].numel(), dtype=ps[i].dtype).view_as(ps[i])
-                 for i in used]
+        grads = [torch.linspace(-1.0, 2.0, ps[i].numel(), dtype=ps[i].dtype,
+                                device=ps[i].device).view_as(ps[i]) for i in used]
         return torch.autograd.grad(sum((ps[i] * g).sum() for i, g in zip(used, grads)), wrt,
                                    retain_graph=True)[0].double()
 
@@ -160,11 +171,11 @@ def test_factors_in_one_launch_equal_the_pytorch_formulation(heads, rows, cols):
 
 
 def test_spans_of_a_factor_are_its_nonzero_band():
-    coef = torch.tensor([[-4.0, 2.0, 0.0], [-0.7, -2.0, 1.0]])
+    coef = torch.tensor([[-4.0, 2.0, 0.0], [-0.7, -2.0, 1.0]], device=DEVICE)
     p_y, p_x = axis_factors(coef, 5, 30)
     for p in (p_y, p_x):
         nonzero = (p != 0).any(0)
-        index = torch.arange(p.shape[-1])
+        index = torch.arange(p.shape[-1], device=p.device)
         expected = torch.stack([torch.stack([torch.where(row, index, 99).min(),
                                              torch.where(row, index + 1, 0).max()])
                                 for part in (nonzero, nonzero.T) for row in part])
@@ -176,8 +187,8 @@ def test_spans_of_a_factor_are_its_nonzero_band():
 def test_half_precision_tokens_are_read_directly(triton_dtn, dtype, tol, pool):
     """float16 and bfloat16 tokens go to the kernels as they are (statistics in float32); the
     output and dx have the tokens' dtype and the accuracy of their resolution."""
-    norm = randomize(DynamicTokenNorm(32, 4, pool_size=pool)).float()
-    x = tokens(2, 6, 7, 32, torch.float32).to(dtype)
+    norm = randomize(DynamicTokenNorm(32, 4, pool_size=pool)).float().to(DEVICE)
+    x = tokens(2, 6, 7, 32, torch.float32).to(DEVICE, dtype)
     assert max(relative_errors(norm, x, (6, 7))) < tol
 
 
@@ -187,20 +198,20 @@ def test_half_precision_gradients_between_the_passes_keep_their_range(triton_dtn
     scaled by their largest: with tokens of standard deviation 1e-2 and dL/dy up to 100, dL/dvar
     reaches about 1e6, beyond float16's range, while dx stays within it; dx keeps float16's
     accuracy."""
-    norm = randomize(DynamicTokenNorm(32, 4, pool_size=pool)).float()
-    x = (1e-2 * tokens(2, 6, 7, 32, torch.float32)).to(torch.float16)
+    norm = randomize(DynamicTokenNorm(32, 4, pool_size=pool)).float().to(DEVICE)
+    x = (1e-2 * tokens(2, 6, 7, 32, torch.float32)).to(DEVICE, torch.float16)
     assert max(relative_errors(norm, x, (6, 7), loss_scale=100.0)) < 2e-3
 
 
 @pytest.mark.parametrize('pool', [1, 2])
 def test_constant_and_large_tokens_stay_finite(triton_dtn, pool):
-    norm = randomize(DynamicTokenNorm(16, 4, pool_size=pool)).float()
-    x = torch.full((2, 24, 16), 3.0, requires_grad=True)
+    norm = randomize(DynamicTokenNorm(16, 4, pool_size=pool)).float().to(DEVICE)
+    x = torch.full((2, 24, 16), 3.0, device=DEVICE, requires_grad=True)
     y = norm(x, (4, 6))
     assert torch.allclose(y, norm.bias.expand_as(y), atol=1e-3)
     y.sum().backward()
     assert torch.isfinite(x.grad).all()
-    x = 1e4 * tokens(2, 4, 6, 16, torch.float64) + 3e4
+    x = (1e4 * tokens(2, 4, 6, 16, torch.float64) + 3e4).to(DEVICE)
     y32 = norm(x.float(), (4, 6))
     set_dtn_backend('torch')
     y64 = norm.double()(x, (4, 6))
@@ -209,9 +220,9 @@ def test_constant_and_large_tokens_stay_finite(triton_dtn, pool):
 
 def test_compiles_with_torch_compile(triton_dtn):
     torch._dynamo.reset()
-    norm = randomize(DynamicTokenNorm(16, 2, pool_size=2)).float()
+    norm = randomize(DynamicTokenNorm(16, 2, pool_size=2)).float().to(DEVICE)
     compiled = torch.compile(norm, fullgraph=True, backend='aot_eager')
-    x = tokens(1, 5, 6, 16, torch.float32).requires_grad_()
+    x = tokens(1, 5, 6, 16, torch.float32).to(DEVICE).requires_grad_()
     y, ref = compiled(x, (5, 6)), norm(x, (5, 6))
     assert torch.allclose(y, ref, atol=1e-6)  # P traced and eager: equal to float32 rounding
     grads = torch.autograd.grad(y.sum(), [x, *norm.parameters()])

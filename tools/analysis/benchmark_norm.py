@@ -18,6 +18,9 @@ Shapes: the stages of PVT-Tiny and of Swin-T for an 800 x 1344 input (B = 2; PVT
    bound of a design fused as far as the math allows (:func:`fused_bound`).
 3. Time and peak memory of forward + backward: median over repeats, the normalisers timed in turn
    within every repeat; wall-clock time, or with ``--clock cpu`` the CPU time of the process.
+   Beside them, how far every DTN's y and dx are from those of the ``torch`` backend on the same
+   tokens in float32 (the largest difference over the largest value): on a GPU, a check of the
+   compiled kernels at the models' own shapes.
    Memory: the peak of the tensor memory allocated during forward + backward above what was live
    before; on CUDA from ``torch.cuda.max_memory_allocated``, on CPU from the allocation and free
    events of PyTorch's CPU allocator recorded by ``torch.profiler``. The dense formulation of the
@@ -165,6 +168,21 @@ def peak_memory(fn, device):
     return peak
 
 
+def outputs(module, backend, x, hw, grad):
+    """y and dx of ``module`` on DTN backend ``backend``."""
+    set_dtn_backend(backend)
+    x = x.detach().requires_grad_()
+    y = call(module, x, hw)
+    return y.detach(), torch.autograd.grad(y, [x], grad)[0]
+
+
+def relative_error(results, reference):
+    """The largest difference of ``results`` from ``reference`` over the largest reference value,
+    the worst of y and dx."""
+    return max(((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+               for a, b in zip(results, reference))
+
+
 def timed(modules, x, hw, grad, device, repeats, warmup, clock):
     """Median forward + backward time of every module, timed in turn within every repeat."""
     times = {name: [] for name in modules}
@@ -277,8 +295,9 @@ def model_table(args, counts):
 def time_table(args, device, names, progress):
     clock = time.process_time if args.clock == 'cpu' else time.perf_counter
     print(f'\nForward + backward, batch {args.batch}, {args.dtype}, {device.type}, median of '
-          f'{args.repeats} ({args.clock} clock; memory: peak above the inputs)')
-    head = f"{'stage':<28}{'layer':<11}{'ms':>9}{'x LN':>7}{'MB':>9}{'x LN':>7}"
+          f'{args.repeats} ({args.clock} clock; memory: peak above the inputs; error: largest '
+          "difference of y and dx from the torch backend's on the tokens in float32)")
+    head = f"{'stage':<28}{'layer':<11}{'ms':>9}{'x LN':>7}{'MB':>9}{'x LN':>7}{'error':>10}"
     print(head + '\n' + '-' * len(head))
     for model, stage, C, H, W, pool, heads in STAGES:
         x, grad = inputs(C, H, W, args.batch, device, DTYPES[args.dtype])
@@ -288,13 +307,19 @@ def time_table(args, device, names, progress):
                                                      [(n, device) for n in names], dense).items()}
         times = timed(modules, x, (H, W), grad, device, args.repeats, args.warmup, clock)
         label = stage_label(model, stage, C, H, W, pool)
+        dtn = next(module for name, (module, _) in modules.items() if name.startswith('DTN '))
+        reference = outputs(dtn, 'torch', x.float(), (H, W), grad.float())
         for name, (module, backend) in modules.items():
             set_dtn_backend(backend)
             mem = peak_memory(lambda: forward_backward(module, x, (H, W), grad), device)
             if name == 'LN':
                 base = times[name], mem
+                error = ''
+            else:
+                results = outputs(module, backend, x, (H, W), grad)
+                error = f'{relative_error(results, reference):.1e}'
             print(f'{label:<28}{name:<11}{times[name] * 1e3:>9.1f}{times[name] / base[0]:>6.2f}x'
-                  f'{mem / 2**20:>9.0f}{mem / max(base[1], 1):>6.2f}x')
+                  f'{mem / 2**20:>9.0f}{mem / max(base[1], 1):>6.2f}x{error:>10}')
         progress.update()
 
 
