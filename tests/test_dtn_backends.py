@@ -259,3 +259,23 @@ def test_fused_bound_of_the_layer_benchmark():
     assert fused_bound(64, 4, torch.float16) == (3 * 128 + 2 * 32, 5 * 128 + 2 * 32 + 2 * 16)
     assert fused_bound(64, 4, torch.bfloat16) == fused_bound(64, 4, torch.float16)
     assert fused_bound(128, 2, torch.float32) == (3 * 512 + 2 * 256, 5 * 512 + 4 * 256)
+
+
+def test_layer_benchmark_checks_every_backend_against_the_torch_backend(backend_setting):
+    """tools/analysis/benchmark_norm.py's error column: y and dx of a backend against those of the
+    'torch' backend on the tokens in float32, relative to the largest reference value; float32
+    rounding for the CPU kernels, float16's for float16 tokens, and a wrong dx shows."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'tools',
+                                    'analysis'))
+    from benchmark_norm import inputs, outputs, relative_error
+    C, H, W = 16, 8, 12
+    norm = DynamicTokenNorm(C, 2, pool_size=2)
+    x, grad = inputs(C, H, W, 2, torch.device('cpu'), torch.float32)
+    reference = outputs(norm, 'torch', x, (H, W), grad)
+    backends = [name for name in ('cpu', 'torch') if name in available_backends('cpu')]
+    for backend in backends:
+        assert relative_error(outputs(norm, backend, x, (H, W), grad), reference) < 1e-5
+    half = outputs(norm, backends[0], x.half(), (H, W), grad.half())
+    assert 1e-5 < relative_error(half, reference) < 2e-3
+    y, dx = reference
+    assert abs(relative_error((y, 1.01 * dx), reference) - 0.01) < 1e-6

@@ -143,6 +143,24 @@ def _image(ptr, b, size):
 
 
 @triton.jit
+def _cell_images(cell_mean_ptr, cell_var_ptr, x_image, b, size, POOLED: tl.constexpr):
+    """Image b's cell means and means of squares about them (images of ``size`` values); without
+    pooling the cells are the tokens, both x_image."""
+    if POOLED:
+        return _image(cell_mean_ptr, b, size), _image(cell_var_ptr, b, size)
+    else:  # one return per specialisation: the pointers' dtypes differ
+        return x_image, x_image
+
+
+@triton.jit
+def _gradient_images(dm_first_ptr, dm_second_ptr, scale_first_ptr, scale_second_ptr, b, cells,
+                     C):
+    """Image b's dL/dm (both moments, ``cells`` x C values each) and their scales per cell."""
+    return ((_image(dm_first_ptr, b, cells * C), _image(dm_second_ptr, b, cells * C)),
+            (_image(scale_first_ptr, b, cells), _image(scale_second_ptr, b, cells)))
+
+
+@triton.jit
 def _cell_columns(start, pool, W, Wp, CELLS: tl.constexpr, S_BLOCK: tl.constexpr):
     """The token columns of cells start ... start + CELLS - 1 of a cell row, S_BLOCK per cell
     (CELLS * S_BLOCK, cell after cell), and which are real; without pooling (pool = S_BLOCK = 1)
@@ -414,12 +432,8 @@ def _output_kernel(x_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr, p_y_ptr, p_x_
     cols = tl.arange(0, C_BLOCK)
     centre = tl.load(centre_ptr + b * C + cols, mask=cols < C, other=0.0)
     x_image = _image(x_ptr, b, H * W * C)
-    if POOLED:
-        mean_image = _image(cell_mean_ptr, b, Hp * Wp * C)
-        spread_image = _image(cell_var_ptr, b, Hp * Wp * C)
-    else:  # the tokens are the cells
-        mean_image = x_image
-        spread_image = x_image
+    mean_image, spread_image = _cell_images(cell_mean_ptr, cell_var_ptr, x_image, b, Hp * Wp * C,
+                                            POOLED)
     first, var_it = _inter_token_statistics(
         mean_image, spread_image, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, ci, cjs,
         cjs < Wp, (cjs < Wp)[:, None] & (cols < C)[None, :], Hp, Wp, C, d, SPREAD, C_BLOCK)
@@ -636,14 +650,10 @@ def _cell_gradients_kernel(g_ptr, x_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr
     centre, lam_m, kap_m, lam_v, kap_v, weight = _image_constants(centre_ptr, ratios_ptr,
                                                                   weight_ptr, b, C, C_BLOCK)
     x_image, g_image = _image(x_ptr, b, H * W * C), _image(g_ptr, b, H * W * C)
-    if POOLED:
-        mean_image = _image(cell_mean_ptr, b, Hp * Wp * C)
-        spread_image = _image(cell_var_ptr, b, Hp * Wp * C)
-    else:  # the tokens are the cells
-        mean_image = x_image
-        spread_image = x_image
-    dm_images = _image(dm_first_ptr, b, Hp * Wp * C), _image(dm_second_ptr, b, Hp * Wp * C)
-    scale_images = _image(scale_first_ptr, b, Hp * Wp), _image(scale_second_ptr, b, Hp * Wp)
+    mean_image, spread_image = _cell_images(cell_mean_ptr, cell_var_ptr, x_image, b, Hp * Wp * C,
+                                            POOLED)
+    dm_images, scale_images = _gradient_images(dm_first_ptr, dm_second_ptr, scale_first_ptr,
+                                               scale_second_ptr, b, Hp * Wp, C)
     TOKENS: tl.constexpr = CELLS * S_BLOCK  # of a token row of a tile
     s_xg, s_g, s_mu, s_var, s_mit, s_vit = _zero_sums(C_BLOCK)
     c_xg, c_g, c_mu, c_var, c_mit, c_vit = _zero_sums(C_BLOCK)  # their compensations (_add)
@@ -731,14 +741,10 @@ def _input_gradient_kernel(g_ptr, x_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr
                                                                   weight_ptr, b, C, C_BLOCK)
     x_image, g_image = _image(x_ptr, b, H * W * C), _image(g_ptr, b, H * W * C)
     dx_image = _image(dx_ptr, b, H * W * C)
-    if POOLED:
-        mean_image = _image(cell_mean_ptr, b, Hp * Wp * C)
-        spread_image = _image(cell_var_ptr, b, Hp * Wp * C)
-    else:  # the tokens are the cells
-        mean_image = x_image
-        spread_image = x_image
-    dm_images = _image(dm_first_ptr, b, Hp * Wp * C), _image(dm_second_ptr, b, Hp * Wp * C)
-    scale_images = _image(scale_first_ptr, b, Hp * Wp), _image(scale_second_ptr, b, Hp * Wp)
+    mean_image, spread_image = _cell_images(cell_mean_ptr, cell_var_ptr, x_image, b, Hp * Wp * C,
+                                            POOLED)
+    dm_images, scale_images = _gradient_images(dm_first_ptr, dm_second_ptr, scale_first_ptr,
+                                               scale_second_ptr, b, Hp * Wp, C)
     for j1 in range(0, Wp):
         for h in range(heads):
             tl.store(grad_p_x_image + (h * Wp + j1) * Wp + cjs,
