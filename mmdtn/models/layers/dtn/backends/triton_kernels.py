@@ -693,11 +693,11 @@ def _cell_gradients_kernel(g_ptr, x_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr
                 s_mu + c_mu, s_var + c_var, s_mit + c_mit, s_vit + c_vit, C_BLOCK)
     tl.debug_barrier()  # dL/dm of the cells, written above, is read back below
     image_block = b * tl.num_programs(1) + block
+    cells_start, cells_stop = block * tiles * CELLS, tl.minimum((block + 1) * tiles * CELLS, Wp)
     _rows_gradient(grad_p_y_ptr + (image_block * heads * Hp + ci) * Hp, dm_images,
                    scale_images, mean_image, spread_image, centre, p_x_ptr, span_y_ptr,
-                   span_x_ptr, ci, block * tiles * CELLS, tl.minimum((block + 1) * tiles * CELLS,
-                                                                     Wp),
-                   Hp, Wp, C, d, heads, SPREAD, CELLS, C_BLOCK)
+                   span_x_ptr, ci, cells_start, cells_stop, Hp, Wp, C, d, heads, SPREAD, CELLS,
+                   C_BLOCK)
 
 
 def _cell_gradients_spec(C, pool, spread):
@@ -866,8 +866,9 @@ def _row_blocks(x, columns, Hp, heads, Wp):
 
 
 def _input_gradient_spec(C, pool, spread):
-    """With pooling in 8 warps: the tile's cells and their tokens (half the registers per thread)
-    fit every channel count in at most 128 registers without spills on sm_80 and sm_90."""
+    """With pooling in 8 warps (half the registers per thread of 4): no spills on sm_90; on sm_80
+    ptxas holds it at 128 registers, two programs per multiprocessor, and spills 16-40 bytes at
+    32 channels with pooling 4 and 64 and 128 with pooling 2 (compile_kernels.py)."""
     return (_input_gradient_kernel, dict(POOLED=pool > 1, SPREAD=pool > 1 and spread,
                                          CELLS=_cells(C, pool),
                                          S_BLOCK=triton.next_power_of_2(pool),
