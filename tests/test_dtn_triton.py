@@ -140,6 +140,25 @@ def test_kernels_with_pooling_move_about_the_fused_bound(backend_setting, C, hw,
         assert sum(kernels.values()) / x.shape[:2].numel() <= 1.1 * bound, (kernels, bound)
 
 
+@pytest.mark.parametrize('C,hw,heads', [(320, (50, 84), 5), (768, (25, 42), 24)])
+def test_forward_without_pooling_reads_x_once(backend_setting, C, hw, heads):
+    """Without pooling the forward reads x once for y, and a 16th of it for the centre: within
+    20% of LayerNorm's bytes, everything counted (PVT-Tiny's stage 3 and Swin-T's stage 4 at
+    800 x 1344, float16 tokens, on meta tensors; the rest is the factors P_y and P_x, written
+    and read twice: 24 heads of Swin-T's stage 4 on 25 x 42 tokens come to 10%)."""
+    sys.path.insert(0, os.path.join(ROOT, 'tools', 'analysis'))
+    from benchmark_norm import fused_bound, traffic
+    set_dtn_backend('triton')
+    norm = DynamicTokenNorm(C, heads, pool_size=1).to('meta')
+    x = torch.empty(2, hw[0] * hw[1], C, device='meta', dtype=torch.float16, requires_grad=True)
+    forward, _ = traffic(norm, x, hw, torch.empty_like(x))
+    bound = fused_bound(C, 1, x.dtype)[0] * x.shape[:2].numel()
+    assert bound == 2 * x.numel() * x.element_size()  # x read and y written: LayerNorm's bytes
+    # the centre's sample and the parameters' small operations: far from a read of x
+    assert forward.by_kernel['torch'] <= x.numel() * x.element_size() / 8, forward.by_kernel
+    assert forward.bytes <= 1.2 * bound, forward.by_kernel
+
+
 @pytest.mark.parametrize('heads,rows,cols', [(3, 5, 70), (1, 1, 1), (4, 17, 2)])
 def test_factors_in_one_launch_equal_the_pytorch_formulation(heads, rows, cols):
     """P_y and P_x from the Triton kernels (rows in blocks of 16, entries in steps of 64, here

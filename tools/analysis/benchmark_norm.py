@@ -251,16 +251,16 @@ def traffic_table(args, device, backends, progress):
 
 def fused_bound(C, pool, dtype):
     """Bytes per token, (forward, backward), that a DTN fused as far as the math allows must move
-    for tokens of ``dtype``: x read twice and y written forward; g and x read twice and dx written
-    backward. With pooling, Eq. 5's inter-token moments are per cell and channel (first and
-    second, float32: 2 C 4 bytes per cell); they are written once and read once forward (the
-    products fused into the read), and backward m is read twice, dL/dm (two values per cell and
-    channel, in the Triton backend's :func:`cell_gradient_dtype`) written and read back. Without
-    pooling every cell is a token and the moments need not be stored: a kernel forms them from
-    x's neighbours on chip."""
+    for tokens of ``dtype``: x read twice (once without pooling) and y written forward; g and x
+    read twice and dx written backward. With pooling, Eq. 5's inter-token moments are per cell
+    and channel (first and second, float32: 2 C 4 bytes per cell); they are written once and read
+    once forward (the products fused into the read), and backward m is read twice, dL/dm (two
+    values per cell and channel, in the Triton backend's :func:`cell_gradient_dtype`) written and
+    read back. Without pooling every cell is a token and the moments need not be stored: a kernel
+    forms them from x's neighbours on chip, about a centre that a sample of the tokens gives."""
     tokens = C * torch.empty((), dtype=dtype).element_size()
     if pool == 1:
-        return 3 * tokens, 5 * tokens
+        return 2 * tokens, 5 * tokens
     moments = 2 * C * 4 / pool**2
     gradients = 2 * C * torch.empty((), dtype=cell_gradient_dtype(dtype)).element_size() / pool**2
     return 3 * tokens + 2 * moments, 5 * tokens + 2 * moments + 2 * gradients

@@ -8,7 +8,7 @@ its registers. H, W and N are runtime arguments: a new resolution launches the s
 kernels. Cell tensors (the cell moments, dL/dm) are contiguous (B, Hp, Wp, C) images: the cell
 moments in float32, dL/dm in :func:`cell_gradient_dtype`.
 
-The positional products (Eq. 5, m = P_y (P_x T) by the two factors of P^h) are formed on chip
+The positional products (Eq. 5, m = P_x (P_y T) by the two factors of P^h) are formed on chip
 inside the passes over the tokens, over the nonzero bands of P_y and P_x: a row of P has about
 11 nonzero weights in float32 at the paper's initialisation (positional.truncated_softmax), and
 :func:`spans` finds every row's and column's nonzero span on the device (no host
@@ -25,12 +25,12 @@ the centre is that plus the squared mean about the centre, or, in the reference 
 convention, the square of the pooled mean alone). Eq. 2 is never stored: a program holds whole
 tokens, and every pass that reads a token forms its mean and variance again. Every pass with
 pooling reads a token row of a tile of cells at a time (:func:`_cell_columns`). Forward:
-:func:`statistics` (the cell moments, or without pooling only the centre, in one read of x), then
-:func:`output`, whose programs each take a tile of cells of one cell row, read the band of
-cells, cached, and form u = P_x T for the rows of the band and m = P_y u in registers, once per
-cell, before x of the cells' tokens is read again for y, token row after token row (Eqs. 2, 4,
-5): x read twice and y written once, plus, with pooling, the cell moments written once and read
-once.
+:func:`statistics` (with pooling the cell moments, in one read of x; without, only the centre, from
+a sample of the tokens), then :func:`output`, whose programs each take a tile of cells of one cell
+row, read the band of cells, cached, and form v = P_y T for the columns of the band and m = P_x v in
+registers, once per cell, before x of the cells' tokens is read (again) for y, token row after token
+row (Eqs. 2, 4, 5): with pooling x read twice, y written once and the cell moments written once and
+read once; without pooling x read once (and a 16th of it for the centre) and y written once.
 
 Backward, :func:`fused_backward` passes one tensor between two passes, dL/dm (two values per cell
 and channel: float32 for float32 tokens; for 16-bit tokens float16, each cell's values divided by
@@ -74,6 +74,11 @@ ELEMENTS_PER_THREAD = 8
 #: Cells of one cell row a program of the passes with pooling covers: its partial sums are
 #: written once.
 CELLS_PER_PROGRAM = 16
+#: Without pooling the centre is the mean of one token in CENTRE_STRIDE. Rows of P sum to 1, so the
+#: statistics about any per-channel constant are the same; one near the tokens' values keeps the
+#: second moment about it free of cancellation, and a sample is as near as the mean of all
+#: tokens: the forward then reads x once, not twice.
+CENTRE_STRIDE = 16
 #: Entries of a row of a positional factor one step of the search for its nonzero span reads.
 SPAN_BLOCK = 128
 #: Programs the dx pass (backward pass 2) aims for, a few per multiprocessor of a large GPU:
@@ -264,14 +269,15 @@ def _cell_statistics_kernel(x_ptr, cell_mean_ptr, cell_var_ptr, partial_ptr, H, 
 
 
 def statistics(x, grid):
-    """The cell moments of x and the centre (B, 1, 1, C), the mean of the cell means: without
-    pooling (the cells are the tokens) None and the mean of the tokens; with pooling the cell
-    means and the means of squares about them, float32 (2, B, Hp, Wp, C). Eq. 2 is formed again
-    by every pass that reads a token (all its channels are in one program): it is never
-    stored."""
+    """The cell moments of x and the centre (B, 1, 1, C): without pooling (the cells are the
+    tokens) None and the mean of every CENTRE_STRIDE-th token; with pooling the cell means and the
+    means of squares about them, float32 (2, B, Hp, Wp, C), and the mean of the cell means. Eq. 2
+    is formed again by every pass that reads a token (all its channels are in one program): it is
+    never stored."""
     B, N, C = x.shape
-    if not grid.pooled:  # one read of x, summed in float32
-        return None, (x.sum(1, dtype=torch.float32) / N).view(B, 1, 1, C)
+    if not grid.pooled:  # a sample of the tokens, summed in float32
+        sample = x[:, ::CENTRE_STRIDE]
+        return None, (sample.sum(1, dtype=torch.float32) / sample.shape[1]).view(B, 1, 1, C)
     f32 = dict(dtype=torch.float32, device=x.device)
     cells = torch.empty(2, B, grid.Hp, grid.Wp, C, **f32)
     programs = (B * grid.Hp, triton.cdiv(grid.Wp, CELLS_PER_PROGRAM))
@@ -384,10 +390,14 @@ def _row_products(mean_image, spread_image, centre, p_x_ptr, p_x_rows, i2, lo_x,
 @triton.jit
 def _banded_moments(mean_image, spread_image, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr,
                     i, j, valid, mask, H, W, C, d, SPREAD: tl.constexpr, C_BLOCK: tl.constexpr):
-    """m = P_y (P_x T) (Eq. 5) [TILE, C_BLOCK] of the tokens, or with pooling the cells, (i, j)
-    of an H x W grid over the nonzero band of P_y's row i and of P_x's rows j: u = P_x T of
-    every row of the band is formed on chip (:func:`_row_products`)."""
+    """m = P^h T (Eq. 5) [TILE, C_BLOCK] of the tokens, or with pooling the cells, (i, j) of an
+    H x W grid over the nonzero band of P_y's row i and of P_x's rows j. P_y and P_x act on
+    different axes, so m = P_x (P_y T): for each column j2 of the band of the rows j, v = P_y T
+    of that column (one vector of C_BLOCK), then m += P_x[j, j2] v. Per tile of TILE cells and a
+    band of S columns and R rows that is R S + S TILE multiply-adds, where forming u = P_x T of
+    every row of the band first (:func:`_row_products`) takes R S TILE."""
     cols = tl.arange(0, C_BLOCK)
+    cmask = cols < C
     head = cols // d
     lo_y, hi_y = _axis_span(span_y_ptr, i + tl.zeros([1], tl.int32), i >= 0, H)
     lo_x, hi_x = _axis_span(span_x_ptr, j, valid, W)
@@ -395,12 +405,18 @@ def _banded_moments(mean_image, spread_image, centre, p_y_ptr, p_x_ptr, span_y_p
     p_x_rows = head[None, :] * W * W + j[:, None] * W
     first = tl.zeros(mask.shape, tl.float32)
     second = tl.zeros(mask.shape, tl.float32)
-    for i2 in range(lo_y, hi_y):
-        u_first, u_second = _row_products(mean_image, spread_image, centre, p_x_ptr, p_x_rows, i2,
-                                          lo_x, hi_x, mask, W, C, SPREAD, C_BLOCK)
-        w = tl.load(p_y_row + i2, mask=cols < C, other=0.0)[None, :]
-        first += w * u_first
-        second += w * u_second
+    for j2 in range(lo_x, hi_x):
+        v_first = tl.zeros([C_BLOCK], tl.float32)
+        v_second = tl.zeros([C_BLOCK], tl.float32)
+        for i2 in range(lo_y, hi_y):
+            t_first, t_second = _moments(mean_image, spread_image, centre,
+                                         (i2 * W + j2) * C + cols, cmask, SPREAD)
+            w = tl.load(p_y_row + i2, mask=cmask, other=0.0)
+            v_first += w * t_first
+            v_second += w * t_second
+        w = tl.load(p_x_ptr + (p_x_rows + j2), mask=mask, other=0.0)
+        first += w * v_first[None, :]
+        second += w * v_second[None, :]
     return first, second
 
 
@@ -701,7 +717,9 @@ def _cell_gradients_kernel(g_ptr, x_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr
 
 
 def _cell_gradients_spec(C, pool, spread):
-    """Tiles of :func:`_pooled_tiles` cells, or without pooling of :func:`_tile` tokens."""
+    """Tiles of :func:`_pooled_tiles` cells, or without pooling of :func:`_tile` tokens. No
+    spills but one (compile_kernels.py): for bfloat16 tokens on sm_90 ptxas holds it at 128
+    registers at 96 channels with pooling 4 and spills 64 bytes."""
     cells = _pooled_tiles(C, pool)[0] if pool > 1 else _tile(C)
     return (_cell_gradients_kernel, dict(POOLED=pool > 1, SPREAD=pool > 1 and spread,
                                          CELLS=cells,
@@ -866,9 +884,10 @@ def _row_blocks(x, columns, Hp, heads, Wp):
 
 
 def _input_gradient_spec(C, pool, spread):
-    """With pooling in 8 warps (half the registers per thread of 4): no spills on sm_90; on sm_80
-    ptxas holds it at 128 registers, two programs per multiprocessor, and spills 16-40 bytes at
-    32 channels with pooling 4 and 64 and 128 with pooling 2 (compile_kernels.py)."""
+    """With pooling in 8 warps (half the registers per thread of 4). ptxas holds it at 128
+    registers, two programs per multiprocessor, and spills (compile_kernels.py): on sm_80 8-56
+    bytes at 32 channels with pooling 4 and 64, 128 and (16-bit tokens) 192 with pooling 2; on
+    sm_90 only for bfloat16 tokens at 192 channels with pooling 2 (24 bytes)."""
     return (_input_gradient_kernel, dict(POOLED=pool > 1, SPREAD=pool > 1 and spread,
                                          CELLS=_cells(C, pool),
                                          S_BLOCK=triton.next_power_of_2(pool),
