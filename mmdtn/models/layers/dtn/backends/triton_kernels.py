@@ -30,7 +30,7 @@ a sample of the tokens), then :func:`output`, whose programs each take a tile of
 row, read the band of cells, cached, and form v = P_y T for the columns of the band and m = P_x v in
 registers, once per cell, before x of the cells' tokens is read (again) for y, token row after token
 row (Eqs. 2, 4, 5): with pooling x read twice, y written once and the cell moments written once and
-read once; without pooling x read once (and a 16th of it for the centre) and y written once.
+read once; without pooling x read once (and a 17th of it for the centre) and y written once.
 
 Backward, :func:`fused_backward` passes one tensor between two passes, dL/dm (two values per cell
 and channel: float32 for float32 tokens; for 16-bit tokens float16, each cell's values divided by
@@ -77,8 +77,9 @@ CELLS_PER_PROGRAM = 16
 #: Without pooling the centre is the mean of one token in CENTRE_STRIDE. Rows of P sum to 1, so the
 #: statistics about any per-channel constant are the same; one near the tokens' values keeps the
 #: second moment about it free of cancellation, and a sample is as near as the mean of all
-#: tokens: the forward then reads x once, not twice.
-CENTRE_STRIDE = 16
+#: tokens: the forward then reads x once, not twice. A prime stride walks across the columns of
+#: every token grid whose width it does not divide, rather than down a few of them.
+CENTRE_STRIDE = 17
 #: Entries of a row of a positional factor one step of the search for its nonzero span reads.
 SPAN_BLOCK = 128
 #: Programs the dx pass (backward pass 2) aims for, a few per multiprocessor of a large GPU:
