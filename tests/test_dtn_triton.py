@@ -122,18 +122,24 @@ def test_dx_pass_in_blocks_of_cell_rows(triton_dtn, monkeypatch, hw, pool, heads
     assert max(relative_errors(norm, x, hw)) < 1e-5
 
 
-@pytest.mark.parametrize('C,hw,pool,heads', [(64, (200, 336), 4, 4), (192, (100, 168), 2, 6)])
-def test_kernels_with_pooling_move_about_the_fused_bound(backend_setting, C, hw, pool, heads):
-    """With pooling the kernels (counted on meta tensors: recorded, not run) move, forward and
-    backward, within 10% of what a DTN fused as far as the math allows must move (float16 tokens,
-    PVT-Tiny's stage-1 and Swin-T's stage-2 shapes at 800 x 1344)."""
+def traffic_on_meta(C, hw, pool, heads):
+    """benchmark_norm's fused bound and the traffic counters (forward, backward) of the Triton
+    backend on float16 meta tensors of batch 2 (kernels recorded, not run), and those tokens."""
     sys.path.insert(0, os.path.join(ROOT, 'tools', 'analysis'))
     from benchmark_norm import fused_bound, traffic
     set_dtn_backend('triton')
     norm = DynamicTokenNorm(C, heads, pool_size=pool).to('meta')
     x = torch.empty(2, hw[0] * hw[1], C, device='meta', dtype=torch.float16, requires_grad=True)
-    counts = traffic(norm, x, hw, torch.empty_like(x))
-    for count, bound in zip(counts, fused_bound(C, pool, x.dtype)):
+    return fused_bound(C, pool, x.dtype), traffic(norm, x, hw, torch.empty_like(x)), x
+
+
+@pytest.mark.parametrize('C,hw,pool,heads', [(64, (200, 336), 4, 4), (192, (100, 168), 2, 6)])
+def test_kernels_with_pooling_move_about_the_fused_bound(backend_setting, C, hw, pool, heads):
+    """With pooling the kernels (counted on meta tensors: recorded, not run) move, forward and
+    backward, within 10% of what a DTN fused as far as the math allows must move (float16 tokens,
+    PVT-Tiny's stage-1 and Swin-T's stage-2 shapes at 800 x 1344)."""
+    bounds, counts, x = traffic_on_meta(C, hw, pool, heads)
+    for count, bound in zip(counts, bounds):
         kernels = {k: v for k, v in count.by_kernel.items() if k != 'torch'}
         # the factors, the statistics or token gradients pass, spans, one more pass
         assert len(kernels) == 4, kernels
@@ -146,13 +152,8 @@ def test_forward_without_pooling_reads_x_once(backend_setting, C, hw, heads):
     20% of LayerNorm's bytes, everything counted (PVT-Tiny's stage 3 and Swin-T's stage 4 at
     800 x 1344, float16 tokens, on meta tensors; the rest is the factors P_y and P_x, written
     and read twice: 24 heads of Swin-T's stage 4 on 25 x 42 tokens come to 10%)."""
-    sys.path.insert(0, os.path.join(ROOT, 'tools', 'analysis'))
-    from benchmark_norm import fused_bound, traffic
-    set_dtn_backend('triton')
-    norm = DynamicTokenNorm(C, heads, pool_size=1).to('meta')
-    x = torch.empty(2, hw[0] * hw[1], C, device='meta', dtype=torch.float16, requires_grad=True)
-    forward, _ = traffic(norm, x, hw, torch.empty_like(x))
-    bound = fused_bound(C, 1, x.dtype)[0] * x.shape[:2].numel()
+    bounds, (forward, _), x = traffic_on_meta(C, hw, 1, heads)
+    bound = bounds[0] * x.shape[:2].numel()
     assert bound == 2 * x.numel() * x.element_size()  # x read and y written: LayerNorm's bytes
     # the centre's sample and the parameters' small operations: far from a read of x
     assert forward.by_kernel['torch'] <= x.numel() * x.element_size() / 8, forward.by_kernel

@@ -275,7 +275,7 @@ def statistics(x, grid):
     means of squares about them, float32 (2, B, Hp, Wp, C), and the mean of the cell means. Eq. 2
     is formed again by every pass that reads a token (all its channels are in one program): it is
     never stored."""
-    B, N, C = x.shape
+    B, _, C = x.shape
     if not grid.pooled:  # a sample of the tokens, summed in float32
         sample = x[:, ::CENTRE_STRIDE]
         return None, (sample.sum(1, dtype=torch.float32) / sample.shape[1]).view(B, 1, 1, C)
