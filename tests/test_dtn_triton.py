@@ -160,6 +160,24 @@ def test_forward_without_pooling_reads_x_once(backend_setting, C, hw, heads):
     assert forward.bytes <= 1.2 * bound, forward.by_kernel
 
 
+def test_kernel_loads_counts_what_the_interpreted_kernels_load(backend_setting):
+    """tools/analysis/kernel_loads.py adds up the bytes every load of the interpreted kernels asks
+    for: the statistics pass with pooling loads every token once (x's bytes, exactly); the output
+    pass without pooling loads, for every tile of a token row, the band of tokens around it again
+    (on 6 x 9 tokens the paper's P spans all rows: each row's tile loads the whole grid)."""
+    if not triton_backend.interpreting():
+        pytest.skip('the loads are counted in Triton\'s interpreter (TRITON_INTERPRET=1)')
+    sys.path.insert(0, os.path.join(ROOT, 'tools', 'analysis'))
+    from kernel_loads import count
+    H, W, C = 6, 9, 8
+    x_bytes = H * W * C * 4
+    pooled = count(C, 2, 2, H, W, torch.float32)
+    operands, loads = pooled['forward']['triton.cell_statistics']
+    assert loads == x_bytes and operands > x_bytes  # + the cell moments written
+    operands, loads = count(C, 2, 1, H, W, torch.float32)['forward']['triton.output']
+    assert loads >= H * x_bytes and operands < 3 * x_bytes  # x read once, y written
+
+
 @pytest.mark.parametrize('heads,rows,cols', [(3, 5, 70), (1, 1, 1), (4, 17, 2)])
 def test_factors_in_one_launch_equal_the_pytorch_formulation(heads, rows, cols):
     """P_y and P_x from the Triton kernels (rows in blocks of 16, entries in steps of 64, here

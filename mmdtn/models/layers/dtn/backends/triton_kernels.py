@@ -653,7 +653,8 @@ def _cell_gradients_kernel(g_ptr, x_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr
                            dm_second_ptr, scale_first_ptr, scale_second_ptr, grad_p_y_ptr,
                            partial_ptr, H, W, C, pool, d, heads, eps, n_var, tiles,
                            POOLED: tl.constexpr, SPREAD: tl.constexpr, CELLS: tl.constexpr,
-                           S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
+                           ROWS_TILE: tl.constexpr, S_BLOCK: tl.constexpr,
+                           C_BLOCK: tl.constexpr):
     """Backward pass 1 for ``tiles`` tiles of CELLS cells of cell row ci of image b (without
     pooling of tokens of token row ci): with m of a tile's cells formed on chip from the band of
     cell moments, once per cell, D1 and D2 of their tokens, token row after token row, summed
@@ -713,8 +714,17 @@ def _cell_gradients_kernel(g_ptr, x_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr
     cells_start, cells_stop = block * tiles * CELLS, tl.minimum((block + 1) * tiles * CELLS, Wp)
     _rows_gradient(grad_p_y_ptr + (image_block * heads * Hp + ci) * Hp, dm_images,
                    scale_images, mean_image, spread_image, centre, p_x_ptr, span_y_ptr,
-                   span_x_ptr, ci, cells_start, cells_stop, Hp, Wp, C, d, heads, SPREAD, CELLS,
-                   C_BLOCK)
+                   span_x_ptr, ci, cells_start, cells_stop, Hp, Wp, C, d, heads, SPREAD,
+                   ROWS_TILE, C_BLOCK)
+
+
+def _rows_tile(C, pool):
+    """Cells (tokens without pooling) per tile of :func:`_rows_gradient`: as many as the tokens of
+    a tile of the pass (:func:`_tile`), at most a program's CELLS_PER_PROGRAM cells with pooling,
+    where the pass's tiles of cells hold pool tokens for each (compiled for sm_90 without spills;
+    twice as many spill at 96 channels with pooling 4). A tile of t cells reads the band of about
+    t + 10 columns of each of its rows of u (paper initialisation): wider tiles, fewer reads."""
+    return min(_tile(C), CELLS_PER_PROGRAM if pool > 1 else 64)
 
 
 def _cell_gradients_spec(C, pool, spread):
@@ -723,7 +733,7 @@ def _cell_gradients_spec(C, pool, spread):
     registers at 96 channels with pooling 4 and spills 64 bytes."""
     cells = _pooled_tiles(C, pool)[0] if pool > 1 else _tile(C)
     return (_cell_gradients_kernel, dict(POOLED=pool > 1, SPREAD=pool > 1 and spread,
-                                         CELLS=cells,
+                                         CELLS=cells, ROWS_TILE=_rows_tile(C, pool),
                                          S_BLOCK=triton.next_power_of_2(pool),
                                          C_BLOCK=_c_block(C)), _warps(C))
 
