@@ -188,6 +188,16 @@ def _per_token(cell_values, CELLS: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK:
 
 
 @triton.jit
+def _group_tile(values, k, GROUP: tl.constexpr, CELLS: tl.constexpr, C_BLOCK: tl.constexpr):
+    """Rows k CELLS ... (k + 1) CELLS - 1 of values [GROUP * CELLS, C_BLOCK] (exact: the other
+    rows add zeros)."""
+    if GROUP == 1:
+        return values
+    parts = tl.reshape(values, [GROUP, CELLS, C_BLOCK])
+    return tl.sum(tl.where((tl.arange(0, GROUP) == k)[:, None, None], parts, 0.0), axis=0)
+
+
+@triton.jit
 def _ln_statistics(x, mask, C, n_var):
     """Eq. 2 per token: the mean, and the variance about it divided by n_var (two passes)."""
     mean = tl.sum(x, axis=1) / C
@@ -437,32 +447,35 @@ def _inter_token_statistics(mean_image, spread_image, centre, p_y_ptr, p_x_ptr, 
 def _output_kernel(x_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr, p_y_ptr, p_x_ptr, span_y_ptr,
                    span_x_ptr, ratios_ptr, weight_ptr, bias_ptr, y_ptr, H, W, C, pool, d, eps,
                    n_var, POOLED: tl.constexpr, SPREAD: tl.constexpr, CELLS: tl.constexpr,
-                   S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
-    """Eqs. 4 and 5 for CELLS cells of cell row ci of image b (CELLS tokens of token row ci
-    without pooling): the positional products of the cells formed on chip from the band of cell
-    moments (:func:`_banded_moments`), once per cell, then y of their tokens, token row after
-    token row."""
+                   GROUP: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
+    """Eqs. 4 and 5 for GROUP tiles of CELLS cells of cell row ci of image b (CELLS tokens of
+    token row ci without pooling): the positional products of the GROUP * CELLS cells formed on
+    chip from the band of cell moments (:func:`_banded_moments`), once per cell, then, a tile at
+    a time, y of their tokens, token row after token row."""
     row, block = tl.program_id(0), tl.program_id(1)
     Hp, Wp = (H + pool - 1) // pool, (W + pool - 1) // pool
     b, ci = row // Hp, row % Hp
-    cjs = block * CELLS + tl.arange(0, CELLS)
+    group = block * GROUP * CELLS + tl.arange(0, GROUP * CELLS)
     cols = tl.arange(0, C_BLOCK)
     centre = tl.load(centre_ptr + b * C + cols, mask=cols < C, other=0.0)
     x_image = _image(x_ptr, b, H * W * C)
     mean_image, spread_image = _cell_images(cell_mean_ptr, cell_var_ptr, x_image, b, Hp * Wp * C,
                                             POOLED)
-    first, var_it = _inter_token_statistics(
-        mean_image, spread_image, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, ci, cjs,
-        cjs < Wp, (cjs < Wp)[:, None] & (cols < C)[None, :], Hp, Wp, C, d, SPREAD, C_BLOCK)
-    first = _per_token(first, CELLS, S_BLOCK, C_BLOCK)
-    var_it = _per_token(var_it, CELLS, S_BLOCK, C_BLOCK)
-    j, real = _cell_columns(block * CELLS, pool, W, Wp, CELLS, S_BLOCK)
-    for r in range(0, pool):
-        i = ci * pool + r
-        tokens = i * W + j
-        x, mask = _load_tokens(x_image, tokens, real & (i < H), C, C_BLOCK)
-        _store_output(y_ptr, ratios_ptr, weight_ptr, bias_ptr, b, H * W, C, tokens, x, mask,
-                      first, var_it, centre[None, :], eps, n_var, C_BLOCK)
+    group_first, group_var_it = _inter_token_statistics(
+        mean_image, spread_image, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, ci, group,
+        group < Wp, (group < Wp)[:, None] & (cols < C)[None, :], Hp, Wp, C, d, SPREAD, C_BLOCK)
+    for k in tl.static_range(GROUP):
+        first = _per_token(_group_tile(group_first, k, GROUP, CELLS, C_BLOCK), CELLS, S_BLOCK,
+                           C_BLOCK)
+        var_it = _per_token(_group_tile(group_var_it, k, GROUP, CELLS, C_BLOCK), CELLS, S_BLOCK,
+                            C_BLOCK)
+        j, real = _cell_columns((block * GROUP + k) * CELLS, pool, W, Wp, CELLS, S_BLOCK)
+        for r in range(0, pool):
+            i = ci * pool + r
+            tokens = i * W + j
+            x, mask = _load_tokens(x_image, tokens, real & (i < H), C, C_BLOCK)
+            _store_output(y_ptr, ratios_ptr, weight_ptr, bias_ptr, b, H * W, C, tokens, x, mask,
+                          first, var_it, centre[None, :], eps, n_var, C_BLOCK)
 
 
 def output(x, centre, p_y, p_x, ratios, weight, bias, eps, n_var, grid, cells=None,
@@ -477,7 +490,8 @@ def output(x, centre, p_y, p_x, ratios, weight, bias, eps, n_var, grid, cells=No
     reads = [x, *cell_args, centre, p_y, p_x, span_y, span_x, ratios, weight, bias]
     cell_pointers = cell_args or [centre, centre]  # without pooling: not read
     spec = _output_spec(C, grid.pool, not square_of_pooled)
-    _launch('triton.output', spec, (B * grid.Hp, triton.cdiv(grid.Wp, spec[1]['CELLS'])), reads,
+    program_cells = spec[1]['CELLS'] * spec[1]['GROUP']
+    _launch('triton.output', spec, (B * grid.Hp, triton.cdiv(grid.Wp, program_cells)), reads,
             [y], x, *cell_pointers, centre, p_y, p_x, span_y, span_x, ratios, weight, bias, y,
             grid.H, grid.W, C, grid.pool, grid.d, float(eps), float(n_var))
     return y
@@ -498,10 +512,12 @@ def _pooled_tiles(C, pool):
 
 
 def _output_spec(C, pool, spread):
-    """With pooling twice the cells of :func:`_cells` per tile: besides x the output pass holds
-    only its cells' statistics, which their tokens share."""
+    """With pooling twice the cells of :func:`_cells` per tile (besides x the output pass holds
+    only its cells' statistics, which their tokens share), and the products of two tiles formed
+    at once (a band's columns read fewer times per cell)."""
     return (_output_kernel, dict(POOLED=pool > 1, SPREAD=pool > 1 and spread,
                                  CELLS=_cells(C, pool) * (2 if pool > 1 else 1),
+                                 GROUP=2 if pool > 1 else 1,
                                  S_BLOCK=triton.next_power_of_2(pool),
                                  C_BLOCK=_c_block(C)), _warps(C))
 
@@ -653,11 +669,12 @@ def _cell_gradients_kernel(g_ptr, x_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr
                            dm_second_ptr, scale_first_ptr, scale_second_ptr, grad_p_y_ptr,
                            partial_ptr, H, W, C, pool, d, heads, eps, n_var, tiles,
                            POOLED: tl.constexpr, SPREAD: tl.constexpr, CELLS: tl.constexpr,
-                           ROWS_TILE: tl.constexpr, S_BLOCK: tl.constexpr,
-                           C_BLOCK: tl.constexpr):
+                           GROUP: tl.constexpr, ROWS_TILE: tl.constexpr,
+                           S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
     """Backward pass 1 for ``tiles`` tiles of CELLS cells of cell row ci of image b (without
-    pooling of tokens of token row ci): with m of a tile's cells formed on chip from the band of
-    cell moments, once per cell, D1 and D2 of their tokens, token row after token row, summed
+    pooling of tokens of token row ci): with m of the cells of GROUP tiles at once formed on chip
+    from the band of cell moments, once per cell (a wider group reads the band's columns fewer
+    times per cell; its statistics are taken a tile at a time by :func:`_group_tile`), D1 and D2 of their tokens, token row after token row, summed
     over each cell's tokens into dL/dm of the cells (written), and the sums for the parameters;
     then the cells' share of the gradient of P_y (:func:`_rows_gradient`)."""
     row, block = tl.program_id(0), tl.program_id(1)
@@ -675,14 +692,23 @@ def _cell_gradients_kernel(g_ptr, x_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr
     TOKENS: tl.constexpr = CELLS * S_BLOCK  # of a token row of a tile
     s_xg, s_g, s_mu, s_var, s_mit, s_vit = _zero_sums(C_BLOCK)
     c_xg, c_g, c_mu, c_var, c_mit, c_vit = _zero_sums(C_BLOCK)  # their compensations (_add)
+    GROUP_CELLS: tl.constexpr = GROUP * CELLS  # of the tiles whose products are formed at once
+    group_first = tl.zeros([GROUP_CELLS, C_BLOCK], tl.float32)
+    group_var_it = tl.zeros([GROUP_CELLS, C_BLOCK], tl.float32)
     for tile in range(0, tiles):
         start = (block * tiles + tile) * CELLS
+        if tile % GROUP == 0:  # m of the cells of this tile and the next GROUP - 1, once
+            group = start + tl.arange(0, GROUP_CELLS)
+            group_valid = group < Wp
+            group_first, group_var_it = _inter_token_statistics(
+                mean_image, spread_image, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, ci,
+                group, group_valid, group_valid[:, None] & cmask[None, :], Hp, Wp, C, d, SPREAD,
+                C_BLOCK)
         cjs = start + tl.arange(0, CELLS)
         cells_valid = cjs < Wp
         cell_mask = cells_valid[:, None] & cmask[None, :]
-        first, var_it = _inter_token_statistics(
-            mean_image, spread_image, centre, p_y_ptr, p_x_ptr, span_y_ptr, span_x_ptr, ci, cjs,
-            cells_valid, cell_mask, Hp, Wp, C, d, SPREAD, C_BLOCK)
+        first = _group_tile(group_first, tile % GROUP, GROUP, CELLS, C_BLOCK)
+        var_it = _group_tile(group_var_it, tile % GROUP, GROUP, CELLS, C_BLOCK)
         j, columns_valid = _cell_columns(start, pool, W, Wp, CELLS, S_BLOCK)
         cell_d1 = tl.zeros(cell_mask.shape, tl.float32)
         cell_d2 = tl.zeros(cell_mask.shape, tl.float32)
@@ -727,13 +753,26 @@ def _rows_tile(C, pool):
     return min(_tile(C), CELLS_PER_PROGRAM if pool > 1 else 64)
 
 
+def _product_group(cells, tiles, pool):
+    """Tiles of ``cells`` cells of backward pass 1 whose products are formed at once: with pooling
+    as many cells as a tile has token columns (pool^2 / pool = pool times its cells, within a
+    program's ``tiles``), whose two statistics take as many registers as one token tensor of the
+    tile each; one without pooling. Also one at pooling 4 with tiles of 2 cells (96 channels),
+    where ptxas holds the kernel at 128 registers on sm_90 and spills with a group
+    (compile_kernels.py)."""
+    if pool == 1 or (pool > 2 and cells < 4):
+        return 1
+    return min(triton.next_power_of_2(pool), tiles)
+
+
 def _cell_gradients_spec(C, pool, spread):
     """Tiles of :func:`_pooled_tiles` cells, or without pooling of :func:`_tile` tokens. No
     spills but one (compile_kernels.py): for bfloat16 tokens on sm_90 ptxas holds it at 128
     registers at 96 channels with pooling 4 and spills 64 bytes."""
-    cells = _pooled_tiles(C, pool)[0] if pool > 1 else _tile(C)
+    cells, tiles = _pooled_tiles(C, pool) if pool > 1 else (_tile(C), 1)
     return (_cell_gradients_kernel, dict(POOLED=pool > 1, SPREAD=pool > 1 and spread,
-                                         CELLS=cells, ROWS_TILE=_rows_tile(C, pool),
+                                         CELLS=cells, GROUP=_product_group(cells, tiles, pool),
+                                         ROWS_TILE=_rows_tile(C, pool),
                                          S_BLOCK=triton.next_power_of_2(pool),
                                          C_BLOCK=_c_block(C)), _warps(C))
 
