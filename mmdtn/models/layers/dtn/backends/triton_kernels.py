@@ -27,20 +27,21 @@ tokens, and every pass that reads a token forms its mean and variance again. Eve
 pooling reads a token row of a tile of cells at a time (:func:`_cell_columns`). Forward:
 :func:`statistics` (with pooling the cell moments, in one read of x; without, only the centre, from
 a sample of the tokens), then :func:`output`, whose programs each take a tile of cells of one cell
-row, read the band of cells, cached, and form v = P_y T for the columns of the band and m = P_x v in
-registers, once per cell, before x of the cells' tokens is read (again) for y, token row after token
-row (Eqs. 2, 4, 5): with pooling x read twice, y written once and the cell moments written once and
+row (with pooling two tiles), read the band of cells, cached, and form v = P_y T for the columns of
+the band and m = P_x v in registers, once per cell, before x of the cells' tokens is read (again)
+for y, a tile at a time, token row after token row (Eqs. 2, 4, 5): with pooling x read twice, y written once and the cell moments written once and
 read once; without pooling x read once (and a 17th of it for the centre) and y written once.
 
 Backward, :func:`fused_backward` passes one tensor between two passes, dL/dm (two values per cell
 and channel: float32 for float32 tokens; for 16-bit tokens float16, each cell's values divided by
 their largest magnitude, which is kept in float32), since dL/dT of a cell needs dL/dm of its whole
 band. Pass 1 (a program per token row, or with pooling per CELLS_PER_PROGRAM cells of a cell row,
-in tiles of cells) forms m of a tile's cells again, once per cell, then D1 and D2 of the cells'
+in tiles of cells) forms m of a tile's cells again (with pooling of a group of tiles), once per
+cell, then D1 and D2 of the cells'
 tokens, token row after token row, writes dL/dm (with pooling the sum over the cell's tokens) and
 the sums for the parameters (written per program and added up afterwards in a fixed order: no float
 atomics), then reads its dL/dm back from cache for its share of the gradient of P_y (sum of dL/dm u
-over the band's rows of u). Pass 2 (a program per tile of cell columns and block of cell rows,
+over the band's rows of u, in tiles of :func:`_rows_tile` cells). Pass 2 (a program per tile of cell columns and block of cell rows,
 walking its cell rows; :func:`_row_blocks`) forms m again and dL/du = P_y^T dL/dm and dL/dT =
 P_x^T dL/du over the bands, once per cell, then dx of the cells' tokens (the per-token terms
 formed again instead of stored), token row after token row, and adds up its cells' columns of
@@ -57,7 +58,9 @@ read beyond the bound of a design fused as far as the math allows
 (tools/analysis/benchmark_norm.py) is the per-program sums.
 
 Every launch is recorded with the bytes of its operands (:func:`.base.record_launch`); with meta
-tensors the launches are only recorded, which gives the traffic of any shape without a GPU.
+tensors the launches are only recorded, which gives the traffic of any shape without a GPU. What the
+passes read again from cache (the bands around every tile) is counted in Triton's interpreter by
+tools/analysis/kernel_loads.py.
 """
 import torch
 import triton
@@ -754,11 +757,10 @@ def _rows_tile(C, pool):
 
 
 def _product_group(cells, tiles, pool):
-    """Tiles of ``cells`` cells of backward pass 1 whose products are formed at once: with pooling
-    as many cells as a tile has token columns (pool^2 / pool = pool times its cells, within a
-    program's ``tiles``), whose two statistics take as many registers as one token tensor of the
-    tile each; one without pooling. Also one at pooling 4 with tiles of 2 cells (96 channels),
-    where ptxas holds the kernel at 128 registers on sm_90 and spills with a group
+    """Tiles of backward pass 1 whose products are formed at once (within a program's ``tiles``):
+    with pooling ``pool`` of them, so that the group's two statistics take as many registers as
+    one token tensor of a tile each; without pooling one. Also one at pooling 4 with tiles of 2
+    cells (96 channels): grouped, ptxas holds that kernel at 128 registers on sm_90 and spills
     (compile_kernels.py)."""
     if pool == 1 or (pool > 2 and cells < 4):
         return 1
@@ -768,7 +770,7 @@ def _product_group(cells, tiles, pool):
 def _cell_gradients_spec(C, pool, spread):
     """Tiles of :func:`_pooled_tiles` cells, or without pooling of :func:`_tile` tokens. No
     spills but one (compile_kernels.py): for bfloat16 tokens on sm_90 ptxas holds it at 128
-    registers at 96 channels with pooling 4 and spills 64 bytes."""
+    registers at 96 channels with pooling 4 and spills 52 bytes."""
     cells, tiles = _pooled_tiles(C, pool) if pool > 1 else (_tile(C), 1)
     return (_cell_gradients_kernel, dict(POOLED=pool > 1, SPREAD=pool > 1 and spread,
                                          CELLS=cells, GROUP=_product_group(cells, tiles, pool),
