@@ -1,5 +1,5 @@
-"""Reads from cache of DynamicTokenNorm's Triton kernels, counted in Triton's interpreter, beside the
-bytes of their operands (what ``benchmark_norm.py --tables model`` counts).
+"""Reads from cache of DynamicTokenNorm's Triton kernels, counted in Triton's interpreter, beside
+the bytes of their operands (what ``benchmark_norm.py --tables model`` counts).
 
 The traffic model of ``benchmark_norm.py`` counts the bytes of every kernel's operands: what a GPU's
 memory moves if every byte is read once and what a kernel reads again comes from cache. This tool
@@ -22,6 +22,7 @@ Usage::
 """
 import argparse
 import collections
+import contextlib
 import math
 import os
 import sys
@@ -75,24 +76,31 @@ def count(C, heads, pool, H, W, dtype):
     x = torch.randn(1, H * W, C, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
     set_dtn_backend('triton')
-    passes = {}
-    for name, run in (('forward', lambda: norm(x, (H, W))), ('backward', None)):
-        with base.recording_launches() as launches, LoadCounter() as counter:
-            if run is not None:
-                y = run()
-            else:
-                torch.autograd.grad(y, [x, *norm.parameters()], grad)
-        operands = collections.Counter()
-        for launch in launches:
-            operands[launch.name] += launch.read + launch.written
-        passes[name] = {k: (operands[k], counter.loads[k]) for k in operands}
-    return passes
+    with recorded() as forward:
+        y = norm(x, (H, W))
+    with recorded() as backward:
+        torch.autograd.grad(y, [x, *norm.parameters()], grad)
+    return {'forward': forward, 'backward': backward}
+
+
+@contextlib.contextmanager
+def recorded():
+    """{kernel: (operand bytes, bytes loaded)} of the launches inside, filled in on exit."""
+    kernels = {}
+    with base.recording_launches() as launches, LoadCounter() as counter:
+        yield kernels
+    operands = collections.Counter()
+    for launch in launches:
+        operands[launch.name] += launch.read + launch.written
+    kernels.update({k: (operands[k], counter.loads[k]) for k in operands})
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('--models', nargs='+', default=['pvt_tiny', 'swin_t'])
-    parser.add_argument('--stages', nargs='+', type=int, default=[1, 2, 3, 4])
+    models = sorted({stage[0] for stage in STAGES})
+    parser.add_argument('--models', nargs='+', default=models, choices=models)
+    parser.add_argument('--stages', nargs='+', type=int, default=[1, 2, 3, 4],
+                        choices=[1, 2, 3, 4])
     parser.add_argument('--crop', type=float, default=0.25,
                         help='fraction of each side of the stage grids at 800 x 1344')
     parser.add_argument('--dtype', default='float16', choices=sorted(DTYPES))

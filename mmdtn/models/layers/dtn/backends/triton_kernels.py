@@ -29,32 +29,32 @@ pooling reads a token row of a tile of cells at a time (:func:`_cell_columns`). 
 a sample of the tokens), then :func:`output`, whose programs each take a tile of cells of one cell
 row (with pooling two tiles), read the band of cells, cached, and form v = P_y T for the columns of
 the band and m = P_x v in registers, once per cell, before x of the cells' tokens is read (again)
-for y, a tile at a time, token row after token row (Eqs. 2, 4, 5): with pooling x read twice, y written once and the cell moments written once and
-read once; without pooling x read once (and a 17th of it for the centre) and y written once.
+for y, a tile at a time, token row after token row (Eqs. 2, 4, 5): with pooling x read twice, y
+written once and the cell moments written once and read once; without pooling x read once (and a
+17th of it for the centre) and y written once.
 
 Backward, :func:`fused_backward` passes one tensor between two passes, dL/dm (two values per cell
 and channel: float32 for float32 tokens; for 16-bit tokens float16, each cell's values divided by
 their largest magnitude, which is kept in float32), since dL/dT of a cell needs dL/dm of its whole
-band. Pass 1 (a program per token row, or with pooling per CELLS_PER_PROGRAM cells of a cell row,
-in tiles of cells) forms m of a tile's cells again (with pooling of a group of tiles), once per
-cell, then D1 and D2 of the cells'
-tokens, token row after token row, writes dL/dm (with pooling the sum over the cell's tokens) and
-the sums for the parameters (written per program and added up afterwards in a fixed order: no float
-atomics), then reads its dL/dm back from cache for its share of the gradient of P_y (sum of dL/dm u
-over the band's rows of u, in tiles of :func:`_rows_tile` cells). Pass 2 (a program per tile of cell columns and block of cell rows,
-walking its cell rows; :func:`_row_blocks`) forms m again and dL/du = P_y^T dL/dm and dL/dT =
-P_x^T dL/du over the bands, once per cell, then dx of the cells' tokens (the per-token terms
-formed again instead of stored), token row after token row, and adds up its cells' columns of
-the gradient of P_x in place (the program holding the cells owns them: deterministic, no
-atomics). Without pooling a cell is a token, and a tile of cells a tile of a token row. The
-gradients of P are exact on the bands and zero elsewhere, where P is an exact zero and the
-softmax passes no gradient; they are written per image (and program or row block) and added up
-afterwards. Forming the products once per cell rather than once per token is what pooling saves
-on chip (pool^2 times fewer multiply-adds for m). Without pooling backward moves about
-5 C e + 4 C f bytes per token (f bytes per value of dL/dm, 4 or 2): dL/dm, which only a
-recomputation of m over the band of every neighbour (the band squared) would avoid, is most of
-the rest; with pooling dL/dm and the cell moments are pool^2 times smaller, and what both passes
-read beyond the bound of a design fused as far as the math allows
+band. Pass 1 (a program per token row, or with pooling per CELLS_PER_PROGRAM cells of a cell row, in
+tiles of cells) forms m of a tile's cells again (with pooling of a group of tiles), once per cell,
+then D1 and D2 of the cells' tokens, token row after token row, writes dL/dm (with pooling the sum
+over the cell's tokens) and the sums for the parameters (written per program and added up afterwards
+in a fixed order: no float atomics), then reads its dL/dm back from cache for its share of the
+gradient of P_y (sum of dL/dm u over the band's rows of u, in tiles of :func:`_rows_tile` cells).
+Pass 2 (a program per tile of cell columns and block of cell rows, walking its cell rows;
+:func:`_row_blocks`) forms m again and dL/du = P_y^T dL/dm and dL/dT = P_x^T dL/du over the bands,
+once per cell, then dx of the cells' tokens (the per-token terms formed again instead of stored),
+token row after token row, and adds up its cells' columns of the gradient of P_x in place (the
+program holding the cells owns them: deterministic, no atomics). Without pooling a cell is a token,
+and a tile of cells a tile of a token row. The gradients of P are exact on the bands and zero
+elsewhere, where P is an exact zero and the softmax passes no gradient; they are written per image
+(and program or row block) and added up afterwards. Forming the products once per cell rather than
+once per token is what pooling saves on chip (pool^2 times fewer multiply-adds for m). Without
+pooling backward moves about 5 C e + 4 C f bytes per token (f bytes per value of dL/dm, 4 or 2):
+dL/dm, which only a recomputation of m over the band of every neighbour (the band squared) would
+avoid, is most of the rest; with pooling dL/dm and the cell moments are pool^2 times smaller, and
+what both passes read beyond the bound of a design fused as far as the math allows
 (tools/analysis/benchmark_norm.py) is the per-program sums.
 
 Every launch is recorded with the bytes of its operands (:func:`.base.record_launch`); with meta
@@ -677,9 +677,10 @@ def _cell_gradients_kernel(g_ptr, x_ptr, cell_mean_ptr, cell_var_ptr, centre_ptr
     """Backward pass 1 for ``tiles`` tiles of CELLS cells of cell row ci of image b (without
     pooling of tokens of token row ci): with m of the cells of GROUP tiles at once formed on chip
     from the band of cell moments, once per cell (a wider group reads the band's columns fewer
-    times per cell; its statistics are taken a tile at a time by :func:`_group_tile`), D1 and D2 of their tokens, token row after token row, summed
-    over each cell's tokens into dL/dm of the cells (written), and the sums for the parameters;
-    then the cells' share of the gradient of P_y (:func:`_rows_gradient`)."""
+    times per cell; its statistics are taken a tile at a time by :func:`_group_tile`), D1 and D2
+    of their tokens, token row after token row, summed over each cell's tokens into dL/dm of the
+    cells (written), and the sums for the parameters; then the cells' share of the gradient of
+    P_y (:func:`_rows_gradient`)."""
     row, block = tl.program_id(0), tl.program_id(1)
     Hp, Wp = (H + pool - 1) // pool, (W + pool - 1) // pool
     b, ci = row // Hp, row % Hp
