@@ -281,12 +281,22 @@ def test_compiles_with_torch_compile(triton_dtn):
 
 
 def test_auto_takes_triton_for_cuda_tensors_and_says_once_why_not(monkeypatch, backend_setting):
+    """auto takes the Triton kernels for CUDA tensors with pooling of at least 4; with less it
+    takes the 'torch' backend, measured faster there, without a warning (a choice, not a
+    failure); set_dtn_backend('triton') still runs them."""
     set_dtn_backend('auto')
-    grid = TokenGrid(2, 4, 4, 8, 2, 1)
+    grid = TokenGrid(2, 8, 8, 8, 2, 4)
     with FakeTensorMode():  # CUDA tensors without a GPU
-        x = torch.empty(2, 16, 8, device='cuda')
+        x = torch.empty(2, 64, 8, device='cuda')
     assert select_backend(x, grid, torch.float32).name == 'triton'
     assert select_backend(x, grid, torch.float64).name == 'torch'  # float64: not the kernels'
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        for pool in (1, 2):
+            assert select_backend(x, TokenGrid(2, 8, 8, 8, 2, pool), torch.float32).name == 'torch'
+    set_dtn_backend('triton')
+    assert select_backend(x, TokenGrid(2, 8, 8, 8, 2, 1), torch.float32).name == 'triton'
+    set_dtn_backend('auto')
     monkeypatch.setattr(triton_backend, '_MISSING', 'triton cannot be imported (test)')
     with pytest.warns(UserWarning, match="'triton' backend cannot run.*cannot be imported"):
         assert select_backend(x, grid, torch.float32).name == 'torch'

@@ -18,6 +18,8 @@ Shapes: the stages of PVT-Tiny and of Swin-T for an 800 x 1344 input (B = 2; PVT
    bound of a design fused as far as the math allows (:func:`fused_bound`).
 3. Time and peak memory of forward + backward: median over repeats, the normalisers timed in turn
    within every repeat; wall-clock time, or with ``--clock cpu`` the CPU time of the process.
+   On CUDA also the time of the GPU alone, with calls queued back to back (:func:`gpu_seconds`):
+   one call's wall-clock time is mostly launch overhead at these sizes.
    Beside them, how far every DTN's y and dx are from those of the ``torch`` backend on the same
    tokens in float32 (the largest difference over the largest value): on a GPU, a check of the
    compiled kernels at the models' own shapes.
@@ -184,8 +186,12 @@ def relative_error(results, reference):
 
 
 def timed(modules, x, hw, grad, device, repeats, warmup, clock):
-    """Median forward + backward time of every module, timed in turn within every repeat."""
+    """Median forward + backward time of every module, timed in turn within every repeat:
+    ``{name: seconds}`` of one call from the host, synchronised before and after (what a lone
+    call costs, launches included), and on CUDA also ``{name: seconds}`` of the GPU alone
+    (:func:`gpu_seconds`); ``None`` elsewhere."""
     times = {name: [] for name in modules}
+    gpu_times = {name: [] for name in modules} if device.type == 'cuda' else None
     for it in range(warmup + repeats):
         for name, (module, backend) in modules.items():
             set_dtn_backend(backend)
@@ -195,16 +201,41 @@ def timed(modules, x, hw, grad, device, repeats, warmup, clock):
             sync(device)
             if it >= warmup:
                 times[name].append(clock() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+                if gpu_times is not None:
+                    gpu_times[name].append(gpu_seconds(module, x, hw, grad))
+    median = {name: statistics.median(t) for name, t in times.items()}
+    return median, gpu_times and {name: statistics.median(t) for name, t in gpu_times.items()}
+
+
+#: forward + backward calls per GPU timing, queued behind one GPU sleep of this many cycles
+GPU_CALLS, GPU_SLEEP_CYCLES = 5, 5 * 10**7
+
+
+def gpu_seconds(module, x, hw, grad):
+    """Seconds of the GPU per forward + backward, launch overhead excluded: the GPU first sleeps
+    (25 ms at 2 GHz) while the host queues :data:`GPU_CALLS` calls; CUDA events around the queued
+    calls then time their kernels back to back. A call that waits for the GPU on the host would
+    show here as the GPU idle, so this never under-counts."""
+    sync(x.device)
+    torch.cuda._sleep(GPU_SLEEP_CYCLES)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(GPU_CALLS):
+        forward_backward(module, x, hw, grad)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / GPU_CALLS
 
 
 # ---------------------------------------------------------------------------- the tables
-def layers(C, heads, pool, device, backends, dense):
+def layers(C, heads, pool, device, backends, dense, dtype=torch.float32):
     """{name: (module, backend, device)}: LayerNorm, DTN on every backend (each on its device),
-    and the dense formulation."""
+    and the dense formulation. LayerNorm's parameters take the tokens' ``dtype``, as in a model
+    cast to it (CUDA's LayerNorm refuses float32 parameters with 16-bit tokens); DTN's stay
+    float32."""
     torch.manual_seed(0)
     dtn = DynamicTokenNorm(C, heads, pool_size=pool)
-    modules = {'LN': (torch.nn.LayerNorm(C, eps=1e-6).to(device), 'auto', device)}
+    modules = {'LN': (torch.nn.LayerNorm(C, eps=1e-6).to(device, dtype), 'auto', device)}
     for backend, where in backends:
         modules[f'DTN {backend}'] = (copy.deepcopy(dtn).to(where), backend, where)
     if dense:
@@ -227,8 +258,8 @@ def traffic_table(args, device, backends, progress):
     counts = {}
     for model, stage, C, H, W, pool, heads in STAGES:
         label = stage_label(model, stage, C, H, W, pool)
-        for name, (module, backend, where) in layers(C, heads, pool, device, backends,
-                                                     False).items():
+        for name, (module, backend, where) in layers(C, heads, pool, device, backends, False,
+                                                     DTYPES[args.dtype]).items():
             x, grad = inputs(C, H, W, args.batch, where, DTYPES[args.dtype])
             set_dtn_backend(backend)
             counts[label, name] = traffic(module, x, (H, W), grad)
@@ -297,15 +328,22 @@ def time_table(args, device, names, progress):
     print(f'\nForward + backward, batch {args.batch}, {args.dtype}, {device.type}, median of '
           f'{args.repeats} ({args.clock} clock; memory: peak above the inputs; error: largest '
           "difference of y and dx from the torch backend's on the tokens in float32)")
-    head = f"{'stage':<28}{'layer':<11}{'ms':>9}{'x LN':>7}{'MB':>9}{'x LN':>7}{'error':>10}"
+    gpu = device.type == 'cuda'
+    if gpu:
+        print(f'GPU ms: the GPU alone per forward + backward, {GPU_CALLS} calls queued back to '
+              'back (no launch gaps); ms: one call from the host, synchronised')
+    head = (f"{'stage':<28}{'layer':<11}" + (f"{'GPU ms':>9}{'x LN':>7}" if gpu else '')
+            + f"{'ms':>9}{'x LN':>7}{'MB':>9}{'x LN':>7}{'error':>10}")
     print(head + '\n' + '-' * len(head))
     for model, stage, C, H, W, pool, heads in STAGES:
         x, grad = inputs(C, H, W, args.batch, device, DTYPES[args.dtype])
         T = (-(-H // pool) * -(-W // pool))**2
         dense = 4 * heads * T * x.element_size() <= args.dense_limit_gb * 2**30  # P, logits, grads
         modules = {name: m[:2] for name, m in layers(C, heads, pool, device,
-                                                     [(n, device) for n in names], dense).items()}
-        times = timed(modules, x, (H, W), grad, device, args.repeats, args.warmup, clock)
+                                                     [(n, device) for n in names], dense,
+                                                     x.dtype).items()}
+        times, gpu_times = timed(modules, x, (H, W), grad, device, args.repeats, args.warmup,
+                                 clock)
         label = stage_label(model, stage, C, H, W, pool)
         dtn = next(module for name, (module, _) in modules.items() if name.startswith('DTN '))
         reference = outputs(dtn, 'torch', x.float(), (H, W), grad.float())
@@ -313,12 +351,15 @@ def time_table(args, device, names, progress):
             set_dtn_backend(backend)
             mem = peak_memory(lambda: forward_backward(module, x, (H, W), grad), device)
             if name == 'LN':
-                base = times[name], mem
+                base = times[name], mem, gpu_times and gpu_times[name]
                 error = ''
             else:
                 results = outputs(module, backend, x, (H, W), grad)
                 error = f'{relative_error(results, reference):.1e}'
-            print(f'{label:<28}{name:<11}{times[name] * 1e3:>9.1f}{times[name] / base[0]:>6.2f}x'
+            on_gpu = (f'{gpu_times[name] * 1e3:>9.3f}{gpu_times[name] / base[2]:>6.2f}x'
+                      if gpu else '')
+            print(f'{label:<28}{name:<11}{on_gpu}{times[name] * 1e3:>9.2f}'
+                  f'{times[name] / base[0]:>6.2f}x'
                   f'{mem / 2**20:>9.0f}{mem / max(base[1], 1):>6.2f}x{error:>10}')
         progress.update()
 

@@ -39,10 +39,18 @@ __all__ = ['no_autocast', 'TokenStatistics', 'Saved', 'Gradients', 'dtn_forward'
            'define_custom_ops', 'CUSTOM_OP_IMPLEMENTATIONS']
 
 
+#: Whether autocast exists on a device type (not on 'meta'), asked once per type outside of
+#: tracing: the Dynamo of some torch versions (2.11) cannot trace the query.
+AUTOCAST_AVAILABLE = {kind: torch.amp.is_autocast_available(kind)
+                      for kind in ('cpu', 'cuda', 'meta')}
+
+
 def no_autocast(device):
     """Autocast off on ``device`` (a device or its type), where autocast exists (not on 'meta')."""
     kind = getattr(device, 'type', device)
-    if torch.amp.is_autocast_available(kind):
+    if kind not in AUTOCAST_AVAILABLE:
+        AUTOCAST_AVAILABLE[kind] = torch.amp.is_autocast_available(kind)
+    if AUTOCAST_AVAILABLE[kind]:
         return torch.autocast(kind, enabled=False)
     return contextlib.nullcontext()
 

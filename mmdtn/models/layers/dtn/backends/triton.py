@@ -58,6 +58,19 @@ class TritonBackend(Backend):
             return f'x is on {x.device}; the Triton kernels run on CUDA GPUs'
         return None
 
+    #: The smallest pooling at which ``auto`` takes this backend. Measured on an H200 (README,
+    #: "DTN on GPUs"; forward + backward, float16 tokens, PVT-Tiny's and Swin-T's stages at
+    #: 800 x 1344): with pooling 4 the kernels take 0.6-0.8x the time of the eager 'torch'
+    #: backend, with pooling 2 1.7x, without pooling 4-8x (the fused band products of Eq. 6 read
+    #: the band of every token, where the 'torch' backend multiplies by P_y and P_x in turn).
+    AUTO_MIN_POOL = 4
+
+    def auto_passes_over(self, x, grid):
+        if grid.pool < self.AUTO_MIN_POOL:
+            return (f'pooling {grid.pool} < {self.AUTO_MIN_POOL}: the fused band products are '
+                    "slower here than the 'torch' backend's products with P_y and P_x")
+        return None
+
     def axis_factors(self, pos_coef, rows, cols):
         return factors.axis_factors(pos_coef, rows, cols)
 
