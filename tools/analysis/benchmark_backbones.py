@@ -269,7 +269,7 @@ def main():
             t = {v: statistics.median(r[v] for r in timed) for v in VARIANTS}
             ratios = [r['dtn'] / r['ln'] for r in timed]
             m = {v: results[(name, batch, v)][0]['peak'] for v in VARIANTS}
-            rows.append([name, batch, f'{t["ln"]:.2f}', f'{t["dtn"]:.2f}',
+            rows.append([name, batch, f'{t["ln"]:.3g}', f'{t["dtn"]:.3g}',  # GPUs: tens of ms
                          f'{statistics.median(ratios):.3f}x',
                          f'{min(ratios):.3f}-{max(ratios):.3f}', f'{m["ln"] / 2**20:.0f}',
                          f'{m["dtn"] / 2**20:.0f}', f'{m["dtn"] / m["ln"]:.3f}x'])

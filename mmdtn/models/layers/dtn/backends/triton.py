@@ -2,11 +2,12 @@
 
 Supports CUDA tensors in float16, bfloat16 and float32 (read as they are; statistics in float32,
 the output in x's dtype), any H x W, any channel count and pooling, both statistics conventions;
-``auto`` takes it for CUDA tensors. Not float64: the kernels compute in float32, and float64 runs
-on the ``torch`` backend. Needs ``triton``, which comes with PyTorch's CUDA builds; with
-``TRITON_INTERPRET=1`` the kernels also run, slowly, on CPU tensors (for tests). The positional
-products are fused into the kernels over the nonzero bands of P_y and P_x, of the tokens or,
-with pooling, of the cells (see :mod:`.triton_kernels`).
+``auto`` takes it for CUDA tensors with pooling of at least :attr:`TritonBackend.AUTO_MIN_POOL`
+(below, the eager ``torch`` backend was measured faster). Not float64: the kernels compute in
+float32, and float64 runs on the ``torch`` backend. Needs ``triton``, which comes with PyTorch's
+CUDA builds; with ``TRITON_INTERPRET=1`` the kernels also run, slowly, on CPU tensors (for
+tests). The positional products are fused into the kernels over the nonzero bands of P_y and
+P_x, of the tokens or, with pooling, of the cells (see :mod:`.triton_kernels`).
 
 The kernels run inside the ``torch.library`` custom ops ``mmdtn::dtn_triton_forward`` and
 ``mmdtn::dtn_triton_backward``, which ``torch.compile`` and ``torch.export`` record as single
