@@ -19,7 +19,9 @@ Shapes: the stages of PVT-Tiny and of Swin-T for an 800 x 1344 input (B = 2; PVT
 3. Time and peak memory of forward + backward: median over repeats, the normalisers timed in turn
    within every repeat; wall-clock time, or with ``--clock cpu`` the CPU time of the process.
    On CUDA also the time of the GPU alone, with calls queued back to back (:func:`gpu_seconds`):
-   one call's wall-clock time is mostly launch overhead at these sizes.
+   one call's wall-clock time is mostly launch overhead at these sizes. With ``--compile`` every
+   DTN backend is also timed under ``torch.compile`` (inductor, a static graph per stage shape,
+   compiled in the warm-up), where the 'torch' backend's passes run as generated fused kernels.
    Beside them, how far every DTN's y and dx are from those of the ``torch`` backend on the same
    tokens in float32 (the largest difference over the largest value): on a GPU, a check of the
    compiled kernels at the models' own shapes.
@@ -33,7 +35,7 @@ Usage::
 
     python tools/analysis/benchmark_norm.py [--device cpu|cuda] [--backends cpu torch ...]
         [--tables traffic model time] [--dtype float32|float16|bfloat16] [--threads N]
-        [--repeats 5] [--clock wall|cpu] [--dense-limit-gb 2]
+        [--repeats 5] [--clock wall|cpu] [--compile] [--dense-limit-gb 2]
 """
 import argparse
 import collections
@@ -323,6 +325,9 @@ def model_table(args, counts):
                   f'{bound / ln_per_token:.2f}x)')
 
 
+LAYER_WIDTH = 20  # 'DTN triton compiled'
+
+
 def time_table(args, device, names, progress):
     clock = time.process_time if args.clock == 'cpu' else time.perf_counter
     print(f'\nForward + backward, batch {args.batch}, {args.dtype}, {device.type}, median of '
@@ -332,7 +337,7 @@ def time_table(args, device, names, progress):
     if gpu:
         print(f'GPU ms: the GPU alone per forward + backward, {GPU_CALLS} calls queued back to '
               'back (no launch gaps); ms: one call from the host, synchronised')
-    head = (f"{'stage':<28}{'layer':<11}" + (f"{'GPU ms':>9}{'x LN':>7}" if gpu else '')
+    head = (f"{'stage':<28}{'layer':<{LAYER_WIDTH}}" + (f"{'GPU ms':>9}{'x LN':>7}" if gpu else '')
             + f"{'ms':>9}{'x LN':>7}{'MB':>9}{'x LN':>7}{'error':>10}")
     print(head + '\n' + '-' * len(head))
     for model, stage, C, H, W, pool, heads in STAGES:
@@ -342,6 +347,10 @@ def time_table(args, device, names, progress):
         modules = {name: m[:2] for name, m in layers(C, heads, pool, device,
                                                      [(n, device) for n in names], dense,
                                                      x.dtype).items()}
+        if args.compile:  # every DTN backend also under torch.compile (inductor)
+            modules.update({f'{name} compiled': (torch.compile(module, dynamic=False), backend)
+                            for name, (module, backend) in list(modules.items())
+                            if name.startswith('DTN ')})
         times, gpu_times = timed(modules, x, (H, W), grad, device, args.repeats, args.warmup,
                                  clock)
         label = stage_label(model, stage, C, H, W, pool)
@@ -358,7 +367,7 @@ def time_table(args, device, names, progress):
                 error = f'{relative_error(results, reference):.1e}'
             on_gpu = (f'{gpu_times[name] * 1e3:>9.3f}{gpu_times[name] / base[2]:>6.2f}x'
                       if gpu else '')
-            print(f'{label:<28}{name:<11}{on_gpu}{times[name] * 1e3:>9.2f}'
+            print(f'{label:<28}{name:<{LAYER_WIDTH}}{on_gpu}{times[name] * 1e3:>9.2f}'
                   f'{times[name] / base[0]:>6.2f}x'
                   f'{mem / 2**20:>9.0f}{mem / max(base[1], 1):>6.2f}x{error:>10}')
         progress.update()
@@ -380,6 +389,9 @@ def main():
                         help='wall-clock time or CPU time of the process')
     parser.add_argument('--repeats', type=int, default=5)
     parser.add_argument('--warmup', type=int, default=2)
+    parser.add_argument('--compile', action='store_true',
+                        help='time every DTN backend also under torch.compile (inductor; the '
+                        "'torch' backend's passes then run fused)")
     parser.add_argument('--dense-limit-gb', type=float, default=2.0,
                         help='time the dense formulation only where its T x T tensors fit this')
     args = parser.parse_args()
@@ -400,6 +412,8 @@ def main():
     # subnormal floats (tiny softmax weights of the dense P) slow CPU matrix products down by
     # orders of magnitude; flushing them to zero keeps the comparison about the formulation
     torch.set_flush_denormal(True)
+    if args.compile:  # one compilation per stage shape and layer; none may fall back to eager
+        torch._dynamo.config.recompile_limit = 8 * len(STAGES)
     print(f'device={device} threads={torch.get_num_threads()} torch {torch.__version__} '
           f'backends {backends}')
     steps = len(STAGES) * (bool({'traffic', 'model'} & set(args.tables)) + ('time' in args.tables))
