@@ -337,8 +337,8 @@ def time_table(args, device, names, progress):
     if gpu:
         print(f'GPU ms: the GPU alone per forward + backward, {GPU_CALLS} calls queued back to '
               'back (no launch gaps); ms: one call from the host, synchronised')
-    head = (f"{'stage':<28}{'layer':<{LAYER_WIDTH}}" + (f"{'GPU ms':>9}{'x LN':>7}" if gpu else '')
-            + f"{'ms':>9}{'x LN':>7}{'MB':>9}{'x LN':>7}{'error':>10}")
+    head = (f"{'stage':<28}{'layer':<{LAYER_WIDTH}}" + (f"{'GPU ms':>9}{'x LN':>9}" if gpu else '')
+            + f"{'ms':>9}{'x LN':>9}{'MB':>9}{'x LN':>9}{'error':>10}")
     print(head + '\n' + '-' * len(head))
     for model, stage, C, H, W, pool, heads in STAGES:
         x, grad = inputs(C, H, W, args.batch, device, DTYPES[args.dtype])
@@ -365,11 +365,11 @@ def time_table(args, device, names, progress):
             else:
                 results = outputs(module, backend, x, (H, W), grad)
                 error = f'{relative_error(results, reference):.1e}'
-            on_gpu = (f'{gpu_times[name] * 1e3:>9.3f}{gpu_times[name] / base[2]:>6.2f}x'
+            on_gpu = (f'{gpu_times[name] * 1e3:>9.3f}{gpu_times[name] / base[2]:>8.2f}x'
                       if gpu else '')
             print(f'{label:<28}{name:<{LAYER_WIDTH}}{on_gpu}{times[name] * 1e3:>9.2f}'
-                  f'{times[name] / base[0]:>6.2f}x'
-                  f'{mem / 2**20:>9.0f}{mem / max(base[1], 1):>6.2f}x{error:>10}')
+                  f'{times[name] / base[0]:>8.2f}x'
+                  f'{mem / 2**20:>9.0f}{mem / max(base[1], 1):>8.2f}x{error:>10}')
         progress.update()
 
 

@@ -14,8 +14,8 @@ says why, once. It also passes over a backend on inputs where it was measured sl
 next one (:meth:`.Backend.auto_passes_over`): ``triton`` below pooling 4, where the eager
 ``torch`` backend is faster on GPUs. ``set_dtn_backend(name)`` or the environment variable
 ``MMDTN_DTN_BACKEND`` choose one backend for every call; a call it cannot run is an error, not a
-silent fallback. Every backend
-equals the dense reference (:mod:`..reference`) to rounding, forward and backward.
+silent fallback. Every backend equals the dense reference (:mod:`..reference`) to rounding,
+forward and backward.
 """
 import os
 import warnings
