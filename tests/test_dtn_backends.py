@@ -245,6 +245,12 @@ def test_traffic_counts_of_the_layer_benchmark():
     forward, backward = counts['DTN triton']
     assert forward.by_kernel['triton.output'] >= 2 * x_bytes
     assert backward.by_kernel['triton.input_gradient'] >= 3 * x_bytes
+    # 16-bit tokens: LayerNorm's parameters in the tokens' dtype (CUDA's LayerNorm refuses float32
+    # parameters with them), DTN's float32
+    half = layers(C, 2, 2, torch.device('cpu'), [('torch', torch.device('cpu'))], False,
+                  torch.float16)
+    assert half['LN'][0].weight.dtype == torch.float16
+    assert half['DTN torch'][0].weight.dtype == torch.float32
 
 
 def test_fused_bound_of_the_layer_benchmark():
