@@ -83,7 +83,7 @@ def select_backend(x, grid, dtype):
             continue
         reason = backend.supports(x, grid, dtype)
         if reason is None:
-            if backend.auto_passes_over(x, grid) is None:
+            if not backend.auto_passes_over(x, grid):
                 return backend
             continue  # measured slower on such inputs: a choice, not a failure (no warning)
         if (backend.name, reason) not in _warned:

@@ -67,10 +67,7 @@ class TritonBackend(Backend):
     AUTO_MIN_POOL = 4
 
     def auto_passes_over(self, x, grid):
-        if grid.pool < self.AUTO_MIN_POOL:
-            return (f'pooling {grid.pool} < {self.AUTO_MIN_POOL}: the fused band products are '
-                    "slower here than the 'torch' backend's products with P_y and P_x")
-        return None
+        return grid.pool < self.AUTO_MIN_POOL
 
     def axis_factors(self, pos_coef, rows, cols):
         return factors.axis_factors(pos_coef, rows, cols)
