@@ -19,7 +19,7 @@ from test_dynamic_token_norm import dense_dtn, randomize, tokens
 from mmdtn import DynamicTokenNorm, set_dtn_backend
 from mmdtn.models.layers.dtn.backends import select_backend
 from mmdtn.models.layers.dtn.backends import triton as triton_backend
-from mmdtn.models.layers.dtn.backends import triton_factors, triton_kernels
+from mmdtn.models.layers.dtn.backends import triton_band, triton_factors, triton_kernels
 from mmdtn.models.layers.dtn.backends.base import recording_launches
 from mmdtn.models.layers.dtn.grid import TokenGrid
 from mmdtn.models.layers.dtn.positional import axis_factors, paper_coefficients
@@ -86,11 +86,10 @@ def outputs_and_gradients(norm, x, hw):
     ((3, 16), 1, 5, 1), ((17, 2), 1, 3, 3), ((2, 15), 1, 1, 1), ((3, 33), 2, 5, 1),
     ((41, 2), 4, 3, 2), ((9, 30), 2, 4, 1), ((5, 38), 4, 1, 1)])
 @pytest.mark.parametrize('reference_compat', [False, True])
-def test_banded_products(triton_dtn, hw, pool, heads, B, reference_compat):
-    """The products are formed on chip over the nonzero bands of P_y and P_x (found on the
-    device), of the tokens or, with pooling, of the cells (partial border cells here): axes
-    longer than the band, heads of different band widths; equal to the dense reference and to
-    the 'torch' backend, forward and every gradient."""
+def test_banded_positional_factors(triton_dtn, hw, pool, heads, B, reference_compat):
+    """P_y and P_x with exact zeros outside a band narrower than the axes, heads of different
+    band widths, wide grids in tiles of several programs, partial border cells: equal to the
+    dense reference and to the 'torch' backend, forward and every gradient."""
     C = 4 * heads
     norm = randomize(DynamicTokenNorm(C, heads, pool_size=pool, eps=1e-5,
                                       reference_compat=reference_compat)).float()
@@ -105,21 +104,6 @@ def test_banded_products(triton_dtn, hw, pool, heads, B, reference_compat):
     set_dtn_backend('torch')
     for a, b in zip(triton_results, outputs_and_gradients(norm, x, hw)):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
-
-
-@pytest.mark.parametrize('hw,pool,heads,B',
-                         [((7, 5), 1, 3, 2), ((9, 10), 2, 2, 1), ((10, 9), 4, 1, 2)])
-def test_dx_pass_in_blocks_of_cell_rows(triton_dtn, monkeypatch, hw, pool, heads, B):
-    """The dx pass with each image's cell rows split among programs (here one block per cell row,
-    their partial gradients of P_x added up afterwards) equals the dense reference."""
-    monkeypatch.setattr(triton_kernels, 'DX_PROGRAMS', 10**6)
-    monkeypatch.setattr(triton_kernels, 'PARTIAL_SHARE', 10.0**6)
-    x = tokens(B, *hw, 4 * heads, torch.float32).to(DEVICE)
-    grid = TokenGrid.of(x, hw, heads, pool)
-    assert triton_kernels._row_blocks(x, 1, grid.Hp, heads, grid.Wp) == grid.Hp > 2
-    norm = randomize(DynamicTokenNorm(4 * heads, heads, pool_size=pool, eps=1e-5)).float()
-    norm.to(DEVICE)
-    assert max(relative_errors(norm, x, hw)) < 1e-5
 
 
 def traffic_on_meta(C, hw, pool, heads):
@@ -208,16 +192,27 @@ def test_factors_in_one_launch_equal_the_pytorch_formulation(heads, rows, cols):
         assert error <= max(4 * pytorch_error, 1e-6 * want.abs().max()), (error, pytorch_error)
 
 
-def test_spans_of_a_factor_are_its_nonzero_band():
-    coef = torch.tensor([[-4.0, 2.0, 0.0], [-0.7, -2.0, 1.0]], device=DEVICE)
-    p_y, p_x = axis_factors(coef, 5, 30)
-    for p in (p_y, p_x):
-        nonzero = (p != 0).any(0)
-        index = torch.arange(p.shape[-1], device=p.device)
-        expected = torch.stack([torch.stack([torch.where(row, index, 99).min(),
-                                             torch.where(row, index + 1, 0).max()])
-                                for part in (nonzero, nonzero.T) for row in part])
-        assert torch.equal(triton_kernels.spans(p).view(-1, 2).long(), expected)
+@pytest.mark.parametrize('L,N,group', [(40, 300, 2), (9, 600, 1)])
+def test_band_products_equal_dense_products(L, N, group):
+    """band_matmul (P X and P^T X) and band_outer (A X^T where P is nonzero, 0 elsewhere) against
+    dense products, for P with bands of different widths, a zero row, more rows than a program's
+    block, and X with more columns (and summed values) than a program's block."""
+    torch.manual_seed(L)
+    offsets = torch.arange(L)[None, :] - torch.arange(L)[:, None]
+    P = torch.rand(3, L, L)
+    for h, (lo, hi) in enumerate([(2, 5), (7, 0), (0, 3)]):
+        P[h] *= ((offsets >= -lo) & (offsets <= hi)).float()
+    P[1, L // 2] = 0
+    X, A = torch.randn(2, 3 * group, L, N).unbind(0)
+    dense = P.repeat_interleave(group, 0)
+    P, X, A = P.to(DEVICE), X.to(DEVICE), A.to(DEVICE)
+    for transpose in (False, True):
+        out = triton_band.band_matmul(P, X, group, transpose).cpu()
+        ref = torch.bmm(dense.transpose(1, 2) if transpose else dense, X.cpu())
+        assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+    G = triton_band.band_outer(P, A, X, group).cpu()
+    ref = torch.bmm(A.cpu(), X.cpu().transpose(1, 2)) * (dense != 0)
+    assert torch.allclose(G, ref, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize('dtype,tol', [(torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
@@ -256,13 +251,14 @@ def test_constant_and_large_tokens_stay_finite(triton_dtn, pool):
     assert torch.isfinite(y32).all() and torch.allclose(y32.double(), y64, atol=1e-3)
 
 
-def test_centre_from_a_sample_of_the_tokens(triton_dtn):
-    """Without pooling the moments are taken about the mean of every 17th token: rows of P sum to
-    1, so the statistics do not depend on it. With those tokens 50 standard deviations from all
-    others (the centre far from most tokens) the float32 kernels still give the float64 result,
-    forward and every gradient, to 1e-4."""
+@pytest.mark.parametrize('pool', [1, 2])
+def test_centre_from_a_sample_of_the_tokens(triton_dtn, pool):
+    """The moments are taken about the mean of every 17th token: rows of P sum to 1, so the
+    statistics do not depend on it. With those tokens 50 standard deviations from all others (the
+    centre far from most tokens) the float32 kernels still give the float64 result, forward and
+    every gradient, to 1e-4."""
     assert triton_kernels.CENTRE_STRIDE == 17
-    norm = randomize(DynamicTokenNorm(16, 4, pool_size=1, eps=1e-5)).float().to(DEVICE)
+    norm = randomize(DynamicTokenNorm(16, 4, pool_size=pool, eps=1e-5)).float().to(DEVICE)
     x = tokens(2, 6, 9, 16, torch.float64)
     x[:, ::17] += 50.0
     assert max(relative_errors(norm, x.float().to(DEVICE), (6, 9))) < 1e-4
@@ -281,22 +277,15 @@ def test_compiles_with_torch_compile(triton_dtn):
 
 
 def test_auto_takes_triton_for_cuda_tensors_and_says_once_why_not(monkeypatch, backend_setting):
-    """auto takes the Triton kernels for CUDA tensors with pooling of at least 4; with less it
-    takes the 'torch' backend, measured faster there, without a warning (a choice, not a
-    failure); set_dtn_backend('triton') still runs them."""
+    """auto takes the Triton kernels for CUDA tensors of every pooling; where they cannot run it
+    takes the 'torch' backend and says why, once."""
     set_dtn_backend('auto')
     grid = TokenGrid(2, 8, 8, 8, 2, 4)
     with FakeTensorMode():  # CUDA tensors without a GPU
         x = torch.empty(2, 64, 8, device='cuda')
-    assert select_backend(x, grid, torch.float32).name == 'triton'
+    for pool in (1, 2, 4):
+        assert select_backend(x, TokenGrid(2, 8, 8, 8, 2, pool), torch.float32).name == 'triton'
     assert select_backend(x, grid, torch.float64).name == 'torch'  # float64: not the kernels'
-    with warnings.catch_warnings():
-        warnings.simplefilter('error')
-        for pool in (1, 2):
-            assert select_backend(x, TokenGrid(2, 8, 8, 8, 2, pool), torch.float32).name == 'torch'
-    set_dtn_backend('triton')
-    assert select_backend(x, TokenGrid(2, 8, 8, 8, 2, 1), torch.float32).name == 'triton'
-    set_dtn_backend('auto')
     monkeypatch.setattr(triton_backend, '_MISSING', 'triton cannot be imported (test)')
     with pytest.warns(UserWarning, match="'triton' backend cannot run.*cannot be imported"):
         assert select_backend(x, grid, torch.float32).name == 'torch'
@@ -316,9 +305,9 @@ def test_kernels_compile_for_sm90_without_spills():
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout)
     kernels = {r['kernel'] for r in rows}
-    assert kernels == {'_cell_statistics_kernel', '_spans_kernel',
-                       '_output_kernel', '_cell_gradients_kernel',
-                       '_input_gradient_kernel', '_factors_kernel', '_factors_backward_kernel'}
+    assert kernels == {'_moments_kernel', '_output_kernel', '_token_gradients_kernel',
+                       '_input_gradient_kernel', '_factors_kernel', '_factors_backward_kernel',
+                       '_band_matmul_kernel', '_band_outer_kernel'}
     for r in rows:
         assert r['arch'] == 90 and set(r) >= {'kernel', 'registers', 'spills', 'shared_bytes'}
         assert r['spills'] == 0 and r['shared_bytes'] <= 227 * 1024, r

@@ -53,7 +53,6 @@ from tqdm import tqdm
 
 from mmdtn import DynamicTokenNorm, available_backends, set_dtn_backend
 from mmdtn.models.layers.dtn.backends.base import recording_launches
-from mmdtn.models.layers.dtn.backends.triton_kernels import cell_gradient_dtype
 from mmdtn.models.layers.dtn.function import CUSTOM_OP_IMPLEMENTATIONS
 from mmdtn.models.layers.dtn.reference import DenseDynamicTokenNorm
 
@@ -288,15 +287,13 @@ def fused_bound(C, pool, dtype):
     read twice and dx written backward. With pooling, Eq. 5's inter-token moments are per cell
     and channel (first and second, float32: 2 C 4 bytes per cell); they are written once and read
     once forward (the products fused into the read), and backward m is read twice, dL/dm (two
-    values per cell and channel, in the Triton backend's :func:`cell_gradient_dtype`) written and
-    read back. Without pooling every cell is a token and the moments need not be stored: a kernel
+    float32 values per cell and channel) written and read back. Without pooling every cell is a token and the moments need not be stored: a kernel
     forms them from x's neighbours on chip, about a centre that a sample of the tokens gives."""
     tokens = C * torch.empty((), dtype=dtype).element_size()
     if pool == 1:
         return 2 * tokens, 5 * tokens
     moments = 2 * C * 4 / pool**2
-    gradients = 2 * C * torch.empty((), dtype=cell_gradient_dtype(dtype)).element_size() / pool**2
-    return 3 * tokens + 2 * moments, 5 * tokens + 2 * moments + 2 * gradients
+    return 3 * tokens + 2 * moments, 5 * tokens + 4 * moments
 
 
 def model_table(args, counts):

@@ -34,9 +34,9 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import mmdtn  # noqa: E402,F401
 from mmdtn import DynamicTokenNorm  # noqa: E402
-from mmdtn.models.layers.dtn.backends import triton_factors  # noqa: E402
+from mmdtn.models.layers.dtn.backends import triton_band, triton_factors  # noqa: E402
 from mmdtn.models.layers.dtn.backends.triton_kernels import (  # noqa: E402
-    GRADIENT_POINTERS, INDEX_POINTERS, TOKEN_POINTERS, cell_gradient_dtype, specializations)
+    TOKEN_POINTERS, specializations)
 
 MODELS = {
     'pvt_tiny': ('PyramidVisionTransformerDTN', dict(num_layers=[2, 2, 2, 2])),
@@ -81,10 +81,6 @@ def signature(kernel, constexprs, dtype):
     for name in kernel.arg_names:
         if name in constexprs:
             sig[name] = 'constexpr'
-        elif name in INDEX_POINTERS:
-            sig[name] = '*i32'
-        elif name in GRADIENT_POINTERS:
-            sig[name] = '*' + DTYPES[str(cell_gradient_dtype(getattr(torch, dtype)))[6:]]
         elif name.endswith('_ptr'):
             sig[name] = '*' + (DTYPES[dtype] if name in TOKEN_POINTERS else 'fp32')
         else:
@@ -138,7 +134,8 @@ def main():
         grids[model] = sorted(model_grids)
     conventions = [False, True] if args.reference_compat else [False]
     specs = [spec for C, pool in sorted(layers) for square in conventions
-             for spec in specializations(C, pool, square)] + triton_factors.specializations()
+             for spec in specializations(C, pool, square)]
+    specs += triton_factors.specializations() + triton_band.specializations()
     jobs = {}
     for kernel, constexprs, warps in specs:
         for dtype in args.dtypes:

@@ -13,8 +13,8 @@ Forward, for tokens x (B, N, C) on the grid of :class:`~.grid.TokenGrid`::
 and backward mirrors it: the token gradients (dL/dm per cell, the sums for the parameters), the
 products backwards (the gradients of P_y, P_x and dL/dT), the input gradient. Rows of P sum to 1, so
 the moments about the centre give exactly the statistics about 0 without the cancellation of
-E[x^2] - E[x]^2. A backend may fuse the products with the passes over the tokens (without
-pooling, or with pooling over the cells: ``fuses_cell_products``).
+E[x^2] - E[x]^2. A backend may fuse the products with the passes over the tokens
+(``fuses_products``).
 
 Backends whose passes PyTorch can trace run inside an autograd Function
 (:func:`define_traced_function`) that ``torch.compile`` and ``torch.export`` trace through.
@@ -57,16 +57,20 @@ def no_autocast(device):
 
 @dataclass
 class TokenStatistics:
-    """The statistics pass: per token ``mean_ln``, ``var_ln`` (B, N, 1) (Eq. 2); per image the
-    ``centre`` (B, 1, 1, C), the mean of the cell means; per cell ``cell_mean`` (B, Hp, Wp, C) and
+    """The statistics pass: per token ``mean_ln``, ``var_ln`` (B, N, 1) (Eq. 2), or None from a
+    backend that forms them again wherever it reads a token; per image the ``centre`` (B, 1, 1,
+    C), a per-channel constant near the tokens' values; per cell ``cell_mean`` (B, Hp, Wp, C) and
     ``cell_second``, the mean of (x - centre)^2, or None where the second moment is the square of
-    the first moment (no pooling, or the reference code's square of the pooled x)."""
+    the first moment (no pooling, or the reference code's square of the pooled x). A backend may
+    instead form the moments T of :func:`moments` in its pass: then ``moments`` holds them and the
+    cell statistics are None."""
 
-    mean_ln: Tensor
-    var_ln: Tensor
+    mean_ln: Optional[Tensor]
+    var_ln: Optional[Tensor]
     centre: Tensor
-    cell_mean: Tensor
+    cell_mean: Optional[Tensor]
     cell_second: Optional[Tensor]
+    moments: Optional[Tensor] = None
 
 
 @dataclass
@@ -74,9 +78,7 @@ class Saved:
     """What the backward pass keeps besides the inputs: the per-token statistics (None for a
     backend that forms Eq. 2 again wherever it reads a token: ``keeps_token_statistics``) and the
     centre; with pooling also the (small) moments T and products m, which without pooling are as
-    large as x and are recomputed. A backend that forms the products of the cells in its passes
-    (``fuses_cell_products``) keeps instead, as ``moments``, the cell means and the means of
-    squares about them (2, B, Hp, Wp, C), and no products."""
+    large as x and are recomputed."""
 
     mean_ln: Optional[Tensor]
     var_ln: Optional[Tensor]
@@ -102,16 +104,13 @@ class Saved:
         return cls(mean_ln, var_ln, centre, moments, products)
 
     @staticmethod
-    def fake_tensors(x, grid, dtype, cell_moments=False, token_statistics=True):
+    def fake_tensors(x, grid, dtype, token_statistics=True):
         """Empty tensors of the shapes :meth:`tensors` has for ``grid`` (fake implementations);
-        ``cell_moments``: those of a backend that forms the products of the cells;
         ``token_statistics``: whether the backend keeps Eq. 2 per token."""
         B, N, C, heads, d, Hp, Wp = grid.B, grid.N, grid.C, grid.heads, grid.d, grid.Hp, grid.Wp
         cells = (heads, Wp, 2, B, Hp, d), (heads, 2, B, Hp, Wp, d)
         if not grid.pooled:
             cells = (0, ), (0, )
-        elif cell_moments:
-            cells = (2, B, Hp, Wp, C), (0, )
         tokens = (B, N, 1) if token_statistics else (0, )
         return [x.new_empty(tokens, dtype=dtype), x.new_empty(tokens, dtype=dtype),
                 x.new_empty(B, 1, 1, C, dtype=dtype), x.new_empty(cells[0], dtype=dtype),
@@ -143,16 +142,14 @@ def dtn_forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps, conventio
 
 
 def _forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
-    if grid.pooled and backend.fuses_cell_products(x, grid):
-        return backend.fused_cell_forward(x, p_y, p_x, ratios, weight, bias, eps, grid,
-                                          convention)
     if backend.fuses_products(x, grid, p_x):
         return backend.fused_forward(x, p_y, p_x, ratios, weight, bias, eps, grid, convention)
     stats = backend.statistics(x, grid, convention)
     factor_y, factor_x = backend.factor(p_y), backend.factor(p_x)
     T = moments(stats, grid)
     _, m = positional_products(T, factor_y, factor_x, grid)
-    y = backend.output(x, stats, m, ratios, weight, bias, eps, grid)
+    n_var = convention.ln_divisor(grid.C)
+    y = backend.output(x, stats, m, ratios, weight, bias, eps, n_var, grid)
     if not grid.pooled:
         return y, Saved(stats.mean_ln, stats.var_ln, stats.centre)
     return y, Saved(stats.mean_ln, stats.var_ln, stats.centre, T, m)
@@ -167,10 +164,6 @@ def dtn_backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, conv
 def _backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convention):
     C = grid.C
     n_var = convention.ln_divisor(C)
-    if grid.pooled and backend.fuses_cell_products(x, grid):
-        dx, grad_p_y, grad_p_x, sums = backend.fused_cell_backward(
-            g, x, saved, p_y, p_x, ratios, weight, eps, n_var, grid, convention)
-        return Gradients(dx, grad_p_y, grad_p_x, *parameter_gradients(sums))
     if backend.fuses_products(x, grid, p_x):
         dx, grad_p_y, grad_p_x, sums = backend.fused_backward(g, x, saved, p_y, p_x, ratios,
                                                               weight, eps, n_var, grid)
@@ -187,7 +180,7 @@ def _backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convent
     # pass 1: with D1 = g w rstd (= -dL/dmu) and D2 = D1 xhat rstd (= -2 dL/dvar) per token and
     # channel, dL/dm of every cell and the sums over the tokens for the parameters; ``tokens``
     # holds what pass 2 takes from pass 1 (a backend may keep D1 or recompute it)
-    tokens, sums, dm = backend.token_gradients(g, x, saved, m, ratios, weight, eps, grid)
+    tokens, sums, dm = backend.token_gradients(g, x, saved, m, ratios, weight, eps, n_var, grid)
 
     # the positional products backwards: dL/dm -> dL/dP_y, dL/du -> dL/dP_x, dL/dT; the
     # temporaries, each of T's size, are dropped as soon as they are used
@@ -210,6 +203,8 @@ def _backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convent
 def moments(stats, grid):
     """The inputs T of the positional products, column-major (heads, Wp, 2, B, Hp, d): the cell
     means about the centre and the second moment about the centre."""
+    if stats.moments is not None:
+        return stats.moments
     first = stats.cell_mean - stats.centre
     second = first * first if stats.cell_second is None else stats.cell_second
     T = torch.stack([grid.to_column_major(first), grid.to_column_major(second)], dim=2)
@@ -281,6 +276,8 @@ def inter_token_statistics(backend, x, p_y, p_x, grid, convention):
     """Eq. 2 and the inter-token terms of Eq. 5 per cell: (TokenStatistics, mean_it, var_it), the
     last two (B, Hp, Wp, C). For analysis."""
     stats = backend.statistics(x, grid, convention)
+    if stats.mean_ln is None:
+        stats.mean_ln, stats.var_ln = ln_statistics(x.float(), convention.ln_divisor(grid.C))
     T = moments(stats, grid)
     _, m = positional_products(T, backend.factor(p_y), backend.factor(p_x), grid)
     first, second = (grid.cells_of(grid.from_head_major(t)) for t in m.unbind(1))
@@ -363,8 +360,7 @@ def define_custom_ops(backend, name):
     def _(x, p_y, p_x, ratios, weight, bias, H, W, pool, heads, eps, unbiased_ln_var,
           square_of_pooled):
         grid = TokenGrid(x.shape[0], H, W, x.shape[2], heads, pool)
-        cell_moments = grid.pooled and backend.fuses_cell_products(x, grid)
-        return [torch.empty_like(x), *Saved.fake_tensors(x, grid, weight.dtype, cell_moments,
+        return [torch.empty_like(x), *Saved.fake_tensors(x, grid, weight.dtype,
                                                          backend.keeps_token_statistics)]
 
     def run_backward(grad: Tensor, x: Tensor, p_y: Tensor, p_x: Tensor, ratios: Tensor,

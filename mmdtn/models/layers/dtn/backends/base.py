@@ -64,11 +64,12 @@ class Backend:
         :class:`DenseFactor`)."""
         return DenseFactor(p)
 
-    def output(self, x, stats, m, ratios, weight, bias, eps, grid):
-        """Eqs. 4-5: y from x, the statistics and the head-major products m."""
+    def output(self, x, stats, m, ratios, weight, bias, eps, n_var, grid):
+        """Eqs. 4-5: y from x, the statistics and the head-major products m (n_var: the divisor of
+        Eq. 2's variance, for a backend that forms Eq. 2 again)."""
         raise NotImplementedError
 
-    def token_gradients(self, g, x, saved, m, ratios, weight, eps, grid):
+    def token_gradients(self, g, x, saved, m, ratios, weight, eps, n_var, grid):
         """Backward pass 1: (what pass 2 takes from it, the sums (6, C) for the parameters,
         dL/dm head-major); see dtn_backward."""
         raise NotImplementedError
@@ -94,14 +95,6 @@ class Backend:
         y = self.fused_output(x, stats, p_y, p_x, ratios, weight, bias, eps, grid)
         return y, Saved(stats.mean_ln, stats.var_ln, stats.centre)
 
-    def fuses_cell_products(self, x, grid):
-        """Whether, with pooling, the positional products of the cells are formed inside the
-        passes over the tokens: then ``fused_cell_forward(x, p_y, p_x, ratios, weight, bias, eps,
-        grid, convention)`` returns y and the :class:`..function.Saved` (with the cell moments),
-        and ``fused_cell_backward(g, x, saved, p_y, p_x, ratios, weight, eps, n_var, grid,
-        convention)`` the gradients of x, p_y, p_x and the sums (6, C) for the parameters."""
-        return False
-
 
 class DenseFactor:
     """Products with one positional factor P (heads, L, L) as batched dense matrix products.
@@ -118,9 +111,12 @@ class DenseFactor:
     def matmul(self, x, transpose=False, layout=None):
         """P X, or P^T X with ``transpose``; with ``layout`` = (shape, dims) the product viewed as
         ``shape`` and permuted by ``dims``, contiguous."""
-        p = self._factors(x)
-        y = torch.bmm(p.transpose(1, 2) if transpose else p, x)
+        y = self._product(x, transpose)
         return y if layout is None else y.view(layout[0]).permute(layout[1]).contiguous()
+
+    def _product(self, x, transpose):
+        p = self._factors(x)
+        return torch.bmm(p.transpose(1, 2) if transpose else p, x)
 
     def outer(self, a, x):
         """The gradient of P for u = P x and dL/du = a, per matrix: a x^T (n, L, L)."""

@@ -115,14 +115,14 @@ class CpuBackend(Backend):
                                                 pool=grid.pool)
         return TokenStatistics(mean_ln, var_ln, centre, cell_mean, cell_second)
 
-    def output(self, x, stats, m, ratios, weight, bias, eps, grid):
+    def output(self, x, stats, m, ratios, weight, bias, eps, n_var, grid):
         first, second = (grid.from_head_major(t) for t in m.unbind(1))
         return kernels.output(x=x, mean_ln=stats.mean_ln, var_ln=stats.var_ln, first=first,
                               second=second, centre=stats.centre, ratios=ratios.contiguous(),
                               weight=weight.contiguous(), bias=bias.contiguous(), eps=eps,
                               **self._geometry(grid))
 
-    def token_gradients(self, g, x, saved, m, ratios, weight, eps, grid):
+    def token_gradients(self, g, x, saved, m, ratios, weight, eps, n_var, grid):
         dm = torch.empty_like(m)
         first, second = (grid.from_head_major(t) for t in m.unbind(1))
         dm_first, dm_second = (grid.from_head_major(t) for t in dm.unbind(1))

@@ -45,14 +45,14 @@ class PyTorchBackend(Backend):
         var_it = second if grid.pooled else (second - first * first).clamp_min(0)
         return grid.to_tokens(first + centre), grid.to_tokens(var_it), first
 
-    def output(self, x, stats, m, ratios, weight, bias, eps, grid):
+    def output(self, x, stats, m, ratios, weight, bias, eps, n_var, grid):
         mean_it, var_it, _ = self._inter_token(stats.centre, m, grid)
         lam_m, kap_m, lam_v, kap_v = ratios.unbind(0)
         mean = lam_m * stats.mean_ln + kap_m * mean_it  # Eq. 5
         var = lam_v * stats.var_ln + kap_v * var_it  # Eq. 5
         return (x - mean) * torch.rsqrt(var + eps) * weight + bias  # Eq. 4
 
-    def token_gradients(self, g, x, saved, m, ratios, weight, eps, grid):
+    def token_gradients(self, g, x, saved, m, ratios, weight, eps, n_var, grid):
         C = grid.C
         mean_it, var_it, first = self._inter_token(saved.centre, m, grid)
         lam_m, kap_m, lam_v, kap_v = ratios.unbind(0)

@@ -2,12 +2,15 @@
 
 Supports CUDA tensors in float16, bfloat16 and float32 (read as they are; statistics in float32,
 the output in x's dtype), any H x W, any channel count and pooling, both statistics conventions;
-``auto`` takes it for CUDA tensors with pooling of at least :attr:`TritonBackend.AUTO_MIN_POOL`
-(below, the eager ``torch`` backend was measured faster). Not float64: the kernels compute in
-float32, and float64 runs on the ``torch`` backend. Needs ``triton``, which comes with PyTorch's
-CUDA builds; with ``TRITON_INTERPRET=1`` the kernels also run, slowly, on CPU tensors (for
-tests). The positional products are fused into the kernels over the nonzero bands of P_y and
-P_x, of the tokens or, with pooling, of the cells (see :mod:`.triton_kernels`).
+``auto`` takes it for CUDA tensors. Not float64: the kernels compute in float32, and float64 runs
+on the ``torch`` backend. Needs ``triton``, which comes with PyTorch's CUDA builds; with
+``TRITON_INTERPRET=1`` the kernels also run, slowly, on CPU tensors (for tests).
+
+Four kernels read and write the tokens: the moments T of the cells (x read once), the output
+(x read, y written), and backward the token gradients (g and x read, dL/dm of the cells written)
+and the input gradient (g and x read, dx written). Between them the positional products run on
+the cell grid, one axis at a time (:mod:`..function`), in float32, over the nonzero band of
+each factor (:mod:`.triton_band`).
 
 The kernels run inside the ``torch.library`` custom ops ``mmdtn::dtn_triton_forward`` and
 ``mmdtn::dtn_triton_backward``, which ``torch.compile`` and ``torch.export`` record as single
@@ -18,15 +21,17 @@ import os
 
 import torch
 
-from ..function import Saved, TokenStatistics, define_custom_ops, ln_statistics
-from .base import Backend, DenseFactor
+from ..function import TokenStatistics, define_custom_ops
+from .base import Backend
 
 try:
     from . import triton_factors as factors
+    from .triton_band import BandFactor
     from . import triton_kernels as kernels
     _MISSING = None
 except ImportError as error:  # pragma: no cover - PyTorch builds without triton
-    factors, kernels, _MISSING = None, None, f'triton cannot be imported ({error})'
+    factors, kernels, BandFactor = None, None, None
+    _MISSING = f'triton cannot be imported ({error})'
 
 __all__ = ['TritonBackend', 'interpreting']
 
@@ -59,66 +64,35 @@ class TritonBackend(Backend):
             return f'x is on {x.device}; the Triton kernels run on CUDA GPUs'
         return None
 
-    #: The smallest pooling at which ``auto`` takes this backend. Measured on an H200 (README,
-    #: "DTN on GPUs"; forward + backward, float16 tokens, PVT-Tiny's and Swin-T's stages at
-    #: 800 x 1344): with pooling 4 the kernels take 0.6-0.8x the time of the eager 'torch'
-    #: backend, with pooling 2 1.7x, without pooling 4-8x (the fused band products of Eq. 6 read
-    #: the band of every token, where the 'torch' backend multiplies by P_y and P_x in turn).
-    AUTO_MIN_POOL = 4
-
-    def auto_passes_over(self, x, grid):
-        return grid.pool < self.AUTO_MIN_POOL
-
     def axis_factors(self, pos_coef, rows, cols):
         return factors.axis_factors(pos_coef, rows, cols)
 
     def factor(self, p):
-        return DenseFactor(p)
+        return BandFactor(p)
 
-    def statistics(self, x, grid, convention):  # for analysis: the passes never store Eq. 2
-        mean_ln, var_ln = ln_statistics(x.float(), convention.ln_divisor(grid.C))
-        cells, centre = kernels.statistics(x, grid)
-        if not grid.pooled:
-            return TokenStatistics(mean_ln, var_ln, centre, grid.cell_means(x), None)  # a view
-        cell_mean, cell_var = cells
-        cell_second = None
-        if not convention.square_of_pooled:  # the mean of (x - centre)^2 over the cell
-            cell_second = cell_var + (cell_mean - centre).square()
-        return TokenStatistics(mean_ln, var_ln, centre, cell_mean, cell_second)
-
-    def fuses_products(self, x, grid, p_x):
-        return not grid.pooled
-
-    def fuses_cell_products(self, x, grid):
-        return True
-
-    def fused_forward(self, x, p_y, p_x, ratios, weight, bias, eps, grid, convention):
-        return self._forward(x, p_y, p_x, ratios, weight, bias, eps, grid, convention)
-
-    def fused_cell_forward(self, x, p_y, p_x, ratios, weight, bias, eps, grid, convention):
-        return self._forward(x, p_y, p_x, ratios, weight, bias, eps, grid, convention)
-
-    def fused_backward(self, g, x, saved, p_y, p_x, ratios, weight, eps, n_var, grid):
-        return self._backward(g, x, saved, p_y, p_x, ratios, weight, eps, n_var, grid)
-
-    def fused_cell_backward(self, g, x, saved, p_y, p_x, ratios, weight, eps, n_var, grid,
-                            convention):
-        return self._backward(g, x, saved, p_y, p_x, ratios, weight, eps, n_var, grid,
-                              convention.square_of_pooled)
+    def statistics(self, x, grid, convention):
+        centre = kernels.sample_centre(x)
+        T = kernels.moments(x, centre, grid, convention.square_of_pooled)
+        return TokenStatistics(None, None, centre, None, None, T)
 
     @staticmethod
-    def _forward(x, p_y, p_x, ratios, weight, bias, eps, grid, convention):
-        cells, centre = kernels.statistics(x, grid)
-        y = kernels.output(x, centre, p_y.detach().contiguous(), p_x.detach().contiguous(),
-                           ratios.contiguous(), weight.contiguous(), bias.contiguous(), eps,
-                           convention.ln_divisor(grid.C), grid, cells,
-                           convention.square_of_pooled)
-        return y, Saved(None, None, centre, cells)
+    def _products(m, grid):
+        """The two moments of the head-major products m as (B, Hp, Wp, heads, d) views."""
+        return [grid.from_head_major(t) for t in m.unbind(1)]
 
-    @staticmethod
-    def _backward(g, x, saved, p_y, p_x, ratios, weight, eps, n_var, grid,
-                  square_of_pooled=False):
-        return kernels.fused_backward(g, x, saved.centre.contiguous(), p_y.detach().contiguous(),
-                                      p_x.detach().contiguous(), ratios.contiguous(),
-                                      weight.contiguous(), eps, n_var, grid, saved.moments,
-                                      square_of_pooled)
+    def output(self, x, stats, m, ratios, weight, bias, eps, n_var, grid):
+        return kernels.output(x, stats.centre, *self._products(m, grid), ratios.contiguous(),
+                              weight.contiguous(), bias.contiguous(), eps, n_var, grid)
+
+    def token_gradients(self, g, x, saved, m, ratios, weight, eps, n_var, grid):
+        dm, sums = kernels.token_gradients(g, x, saved.centre, *self._products(m, grid),
+                                           ratios.contiguous(), weight.contiguous(), eps, n_var,
+                                           grid)
+        return None, sums, dm  # pass 2 forms D1 again
+
+    def input_gradient(self, tokens, g, x, saved, m, ratios, weight, eps, n_var, d_first,
+                       d_second, grid):
+        d_second = None if d_second is None else grid.from_column_major(d_second)
+        return kernels.input_gradient(g, x, saved.centre, *self._products(m, grid),
+                                      ratios.contiguous(), weight.contiguous(), eps, n_var,
+                                      grid.from_column_major(d_first), d_second, grid)

@@ -1,0 +1,144 @@
+"""Products with one positional factor P (heads, L, L) of DynamicTokenNorm over its nonzero band,
+in Triton: the Triton backend's :class:`BandFactor`, with the interface of
+:class:`.base.DenseFactor`.
+
+Far from its peak a row of P is exact zeros (:func:`..positional.truncated_softmax`: about 11
+nonzero weights in float32 at the paper's initialisation), so P X takes about 11 multiply-adds per
+value instead of L, and the gradient of P is needed only where P is nonzero: elsewhere the
+truncated softmax passes no gradient, and it is 0 here. As dense batched matrix products
+(``torch.bmm``) on an H200 the products took most of the layer's time without pooling, the
+gradient of P (L x L from sums over 10^4 values) the most: cuBLAS runs few, long programs for it.
+
+Both kernels find the nonzero columns of a block of ROWS rows of P (or of P^T) on the device,
+from those rows alone (no host synchronisation, no spans stored):
+
+    band_matmul  Y = P X (or P^T X): a program per matrix, block of rows and block of BLOCK_N
+                 columns of X adds P[i, j] X[j] over the block's band
+    band_outer   G = A X^T where P is nonzero: a program per matrix, block of rows and chunk of
+                 BLOCK_K of the summed dimension; the chunks' sums are added up afterwards in a
+                 fixed order (no float atomics)
+
+Matrix k of X, A and the results uses P[k // group]. Everything is float32.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .base import DenseFactor
+from .triton_kernels import _launch
+
+__all__ = ['BandFactor', 'band_matmul', 'band_outer', 'specializations']
+
+#: Rows of P per program, columns of X per program of band_matmul, values of the summed dimension
+#: per program of band_outer, and entries of P one step of the search for the band reads.
+ROWS, BLOCK_N, BLOCK_K, SPAN_BLOCK = 16, 128, 256, 64
+
+
+@triton.jit
+def _band(p_head, rows, L, TRANSPOSE: tl.constexpr, ROWS: tl.constexpr,
+          SPAN_BLOCK: tl.constexpr):
+    """The first and one past the last column j with P[i, j] != 0 (P[j, i] with TRANSPOSE) over
+    rows i of the block; (0, 0) where all are zero."""
+    lo, hi = L + 0, L * 0  # runtime integers: loop-carried
+    for start in range(0, L, SPAN_BLOCK):
+        cols = start + tl.arange(0, SPAN_BLOCK)
+        mask = (rows[:, None] < L) & (cols[None, :] < L)
+        if TRANSPOSE:
+            entries = tl.load(p_head + cols[None, :] * L + rows[:, None], mask=mask, other=0.0)
+        else:
+            entries = tl.load(p_head + rows[:, None] * L + cols[None, :], mask=mask, other=0.0)
+        nonzero = entries != 0
+        lo = tl.minimum(lo, tl.min(tl.where(nonzero, cols[None, :], L)))
+        hi = tl.maximum(hi, tl.max(tl.where(nonzero, cols[None, :] + 1, 0)))
+    return lo, tl.maximum(hi, lo)
+
+
+@triton.jit(do_not_specialize=['L', 'N', 'group'])
+def _band_matmul_kernel(p_ptr, x_ptr, y_ptr, L, N, group, TRANSPOSE: tl.constexpr,
+                        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPAN_BLOCK: tl.constexpr):
+    """Rows of block ``rb`` and columns of block ``nb`` of Y[k] = P[h] X[k] (P[h]^T X[k])."""
+    k, rb, nb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    p_head = p_ptr + (k // group).to(tl.int64) * L * L
+    rows = rb * ROWS + tl.arange(0, ROWS)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    lo, hi = _band(p_head, rows, L, TRANSPOSE, ROWS, SPAN_BLOCK)
+    x_mat = x_ptr + k.to(tl.int64) * L * N
+    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    for j in range(lo, hi):
+        if TRANSPOSE:
+            weights = tl.load(p_head + j * L + rows, mask=rows < L, other=0.0)
+        else:
+            weights = tl.load(p_head + rows * L + j, mask=rows < L, other=0.0)
+        x_row = tl.load(x_mat + j * N + n, mask=n < N, other=0.0)
+        acc += weights[:, None] * x_row[None, :]
+    tl.store(y_ptr + k.to(tl.int64) * L * N + rows[:, None] * N + n[None, :], acc,
+             mask=(rows[:, None] < L) & (n[None, :] < N))
+
+
+def band_matmul(p, x, group, transpose=False):
+    """P X, or P^T X with ``transpose``, for x (heads * group, L, N) contiguous float32."""
+    n, L, N = x.shape
+    y = torch.empty_like(x)
+    spec = _matmul_spec(transpose)
+    _launch('triton.band_matmul', spec, (n, triton.cdiv(L, ROWS), triton.cdiv(N, BLOCK_N)),
+            [p, x], [y], p, x, y, L, N, group)
+    return y
+
+
+@triton.jit(do_not_specialize=['L', 'K', 'group', 'matrices'])
+def _band_outer_kernel(p_ptr, a_ptr, x_ptr, out_ptr, L, K, group, matrices, ROWS: tl.constexpr,
+                       BLOCK_K: tl.constexpr, SPAN_BLOCK: tl.constexpr):
+    """Chunk ``s`` of the sums G[k, i, j] = sum_c A[k, i, c] X[k, j, c] for rows i of block
+    ``rb`` and the columns j where P[h, i, j] != 0."""
+    k, rb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    p_head = p_ptr + (k // group).to(tl.int64) * L * L
+    rows = rb * ROWS + tl.arange(0, ROWS)
+    c = s * BLOCK_K + tl.arange(0, BLOCK_K)
+    lo, hi = _band(p_head, rows, L, False, ROWS, SPAN_BLOCK)
+    mat = k.to(tl.int64) * L * K
+    a = tl.load(a_ptr + mat + rows[:, None] * K + c[None, :],
+                mask=(rows[:, None] < L) & (c[None, :] < K), other=0.0)
+    out = out_ptr + (s * matrices + k).to(tl.int64) * L * L + rows * L
+    for j in range(lo, hi):
+        x_row = tl.load(x_ptr + mat + j * K + c, mask=c < K, other=0.0)
+        weights = tl.load(p_head + rows * L + j, mask=rows < L, other=0.0)
+        dots = tl.sum(a * x_row[None, :], axis=1)
+        tl.store(out + j, tl.where(weights != 0, dots, 0.0), mask=rows < L)
+
+
+def band_outer(p, a, x, group):
+    """A X^T per matrix (heads * group, L, L) where P is nonzero, 0 elsewhere, for a and x (heads *
+    group, L, K) contiguous float32."""
+    n, L, K = x.shape
+    chunks = triton.cdiv(K, BLOCK_K)
+    partial = torch.zeros(chunks, n, L, L, dtype=torch.float32, device=x.device)
+    spec = _outer_spec()
+    _launch('triton.band_outer', spec, (n, triton.cdiv(L, ROWS), chunks), [p, a, x], [partial],
+            p, a, x, partial, L, K, group, n)
+    return partial.sum(0)
+
+
+class BandFactor(DenseFactor):
+    """:class:`.base.DenseFactor` with the products over the nonzero band of P (float32)."""
+
+    def _product(self, x, transpose):
+        return band_matmul(self.p.contiguous(), x.contiguous(), x.shape[0] // self.p.shape[0],
+                           transpose)
+
+    def outer(self, a, x):
+        return band_outer(self.p.contiguous(), a.contiguous(), x.contiguous(),
+                          x.shape[0] // self.p.shape[0])
+
+
+def _matmul_spec(transpose):
+    return _band_matmul_kernel, dict(TRANSPOSE=transpose, ROWS=ROWS, BLOCK_N=BLOCK_N,
+                                     SPAN_BLOCK=SPAN_BLOCK), 4
+
+
+def _outer_spec():
+    return _band_outer_kernel, dict(ROWS=ROWS, BLOCK_K=BLOCK_K, SPAN_BLOCK=SPAN_BLOCK), 4
+
+
+def specializations():
+    """(kernel, constexprs, num_warps) of the band products: the same for every shape."""
+    return [_matmul_spec(False), _matmul_spec(True), _outer_spec()]
