@@ -10,9 +10,7 @@ name          runs                             why not elsewhere
 
 ``auto`` (the default) takes, for every call, the first backend made for the input's device that
 supports the input, else ``torch``; when a backend made for the device cannot run an input, it
-says why, once. It also passes over a backend on inputs where it was measured slower than the
-next one (:meth:`.Backend.auto_passes_over`): ``triton`` below pooling 4, where the eager
-``torch`` backend is faster on GPUs. ``set_dtn_backend(name)`` or the environment variable
+says why, once. ``set_dtn_backend(name)`` or the environment variable
 ``MMDTN_DTN_BACKEND`` choose one backend for every call; a call it cannot run is an error, not a
 silent fallback. Every backend equals the dense reference (:mod:`..reference`) to rounding,
 forward and backward.
@@ -83,9 +81,7 @@ def select_backend(x, grid, dtype):
             continue
         reason = backend.supports(x, grid, dtype)
         if reason is None:
-            if not backend.auto_passes_over(x, grid):
-                return backend
-            continue  # measured slower on such inputs: a choice, not a failure (no warning)
+            return backend
         if (backend.name, reason) not in _warned:
             _warned.add((backend.name, reason))
             warnings.warn(f'DynamicTokenNorm: the {backend.name!r} backend cannot run this input '

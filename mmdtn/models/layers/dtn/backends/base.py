@@ -37,12 +37,6 @@ class Backend:
         :attr:`input_dtypes` to ``dtype`` before the call."""
         raise NotImplementedError
 
-    def auto_passes_over(self, x, grid) -> bool:
-        """Whether ``auto`` hands tokens ``x`` on ``grid`` to the next backend although this one
-        can run them (it was measured slower on them). ``set_dtn_backend(name)`` still runs them
-        here."""
-        return False
-
     def apply(self, x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
         """DTN of x (differentiable with respect to every tensor argument)."""
         raise NotImplementedError

@@ -29,9 +29,10 @@ from .triton_kernels import _launch
 
 __all__ = ['BandFactor', 'band_matmul', 'band_outer', 'specializations']
 
-#: Rows of P per program, columns of X per program of band_matmul, values of the summed dimension
-#: per program of band_outer, and entries of P one step of the search for the band reads.
-ROWS, BLOCK_N, BLOCK_K, SPAN_BLOCK = 16, 128, 256, 64
+#: Rows of P per program, columns of P per step over the band, columns of X per program of
+#: band_matmul, values of the summed dimension per program of band_outer, and entries of P one step
+#: of the search for the band reads.
+ROWS, BAND, BLOCK_N, BLOCK_K, SPAN_BLOCK = 16, 32, 128, 128, 64
 
 
 @triton.jit
@@ -53,25 +54,36 @@ def _band(p_head, rows, L, TRANSPOSE: tl.constexpr, ROWS: tl.constexpr,
     return lo, tl.maximum(hi, lo)
 
 
+@triton.jit
+def _weights(p_head, rows, cols, L, hi, TRANSPOSE: tl.constexpr):
+    """P[i, j] (P[j, i] with TRANSPOSE) for rows i and columns j below hi, [ROWS, BAND]."""
+    mask = (rows[:, None] < L) & (cols[None, :] < hi)
+    if TRANSPOSE:
+        return tl.load(p_head + cols[None, :] * L + rows[:, None], mask=mask, other=0.0)
+    else:
+        return tl.load(p_head + rows[:, None] * L + cols[None, :], mask=mask, other=0.0)
+
+
 @triton.jit(do_not_specialize=['L', 'N', 'group'])
-def _band_matmul_kernel(p_ptr, x_ptr, y_ptr, L, N, group, TRANSPOSE: tl.constexpr,
-                        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPAN_BLOCK: tl.constexpr):
-    """Rows of block ``rb`` and columns of block ``nb`` of Y[k] = P[h] X[k] (P[h]^T X[k])."""
+def _band_matmul_kernel(p_ptr, in_ptr, out_ptr, L, N, group, TRANSPOSE: tl.constexpr,
+                        ROWS: tl.constexpr, BAND: tl.constexpr, BLOCK_N: tl.constexpr,
+                        SPAN_BLOCK: tl.constexpr):
+    """Rows of block ``rb`` and columns of block ``nb`` of Y[k] = P[h] X[k] (P[h]^T X[k]): the
+    band in blocks of BAND columns of P, each a matrix product (float32 multiply-adds)."""
     k, rb, nb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     p_head = p_ptr + (k // group).to(tl.int64) * L * L
     rows = rb * ROWS + tl.arange(0, ROWS)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     lo, hi = _band(p_head, rows, L, TRANSPOSE, ROWS, SPAN_BLOCK)
-    x_mat = x_ptr + k.to(tl.int64) * L * N
+    x_mat = in_ptr + k.to(tl.int64) * L * N
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    for j in range(lo, hi):
-        if TRANSPOSE:
-            weights = tl.load(p_head + j * L + rows, mask=rows < L, other=0.0)
-        else:
-            weights = tl.load(p_head + rows * L + j, mask=rows < L, other=0.0)
-        x_row = tl.load(x_mat + j * N + n, mask=n < N, other=0.0)
-        acc += weights[:, None] * x_row[None, :]
-    tl.store(y_ptr + k.to(tl.int64) * L * N + rows[:, None] * N + n[None, :], acc,
+    for start in range(lo, hi, BAND):
+        cols = start + tl.arange(0, BAND)
+        weights = _weights(p_head, rows, cols, L, hi, TRANSPOSE)
+        x_rows = tl.load(x_mat + cols[:, None] * N + n[None, :],
+                         mask=(cols[:, None] < hi) & (n[None, :] < N), other=0.0)
+        acc += tl.dot(weights, x_rows, input_precision='ieee')
+    tl.store(out_ptr + k.to(tl.int64) * L * N + rows[:, None] * N + n[None, :], acc,
              mask=(rows[:, None] < L) & (n[None, :] < N))
 
 
@@ -80,16 +92,17 @@ def band_matmul(p, x, group, transpose=False):
     n, L, N = x.shape
     y = torch.empty_like(x)
     spec = _matmul_spec(transpose)
-    _launch('triton.band_matmul', spec, (n, triton.cdiv(L, ROWS), triton.cdiv(N, BLOCK_N)),
+    _launch('triton.band_matmul', spec, (n, -(-L // ROWS), -(-N // BLOCK_N)),
             [p, x], [y], p, x, y, L, N, group)
     return y
 
 
 @triton.jit(do_not_specialize=['L', 'K', 'group', 'matrices'])
-def _band_outer_kernel(p_ptr, a_ptr, x_ptr, out_ptr, L, K, group, matrices, ROWS: tl.constexpr,
-                       BLOCK_K: tl.constexpr, SPAN_BLOCK: tl.constexpr):
+def _band_outer_kernel(p_ptr, a_ptr, b_ptr, out_ptr, L, K, group, matrices, ROWS: tl.constexpr,
+                       BAND: tl.constexpr, BLOCK_K: tl.constexpr, SPAN_BLOCK: tl.constexpr):
     """Chunk ``s`` of the sums G[k, i, j] = sum_c A[k, i, c] X[k, j, c] for rows i of block
-    ``rb`` and the columns j where P[h, i, j] != 0."""
+    ``rb``: where P[h, i, j] != 0, in blocks of BAND columns, each a matrix product (float32
+    multiply-adds); 0 elsewhere, every entry of the rows written."""
     k, rb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     p_head = p_ptr + (k // group).to(tl.int64) * L * L
     rows = rb * ROWS + tl.arange(0, ROWS)
@@ -98,22 +111,27 @@ def _band_outer_kernel(p_ptr, a_ptr, x_ptr, out_ptr, L, K, group, matrices, ROWS
     mat = k.to(tl.int64) * L * K
     a = tl.load(a_ptr + mat + rows[:, None] * K + c[None, :],
                 mask=(rows[:, None] < L) & (c[None, :] < K), other=0.0)
-    out = out_ptr + (s * matrices + k).to(tl.int64) * L * L + rows * L
-    for j in range(lo, hi):
-        x_row = tl.load(x_ptr + mat + j * K + c, mask=c < K, other=0.0)
-        weights = tl.load(p_head + rows * L + j, mask=rows < L, other=0.0)
-        dots = tl.sum(a * x_row[None, :], axis=1)
-        tl.store(out + j, tl.where(weights != 0, dots, 0.0), mask=rows < L)
+    out = out_ptr + (s * matrices + k).to(tl.int64) * L * L
+    for start in range(0, L, BAND):
+        cols = start + tl.arange(0, BAND)
+        dots = tl.zeros([ROWS, BAND], tl.float32)
+        if (start < hi) & (start + BAND > lo):
+            x_rows = tl.load(b_ptr + mat + cols[:, None] * K + c[None, :],
+                             mask=(cols[:, None] < hi) & (c[None, :] < K), other=0.0)
+            dots = tl.dot(a, tl.trans(x_rows), input_precision='ieee')
+            dots = tl.where(_weights(p_head, rows, cols, L, hi, False) != 0, dots, 0.0)
+        tl.store(out + rows[:, None] * L + cols[None, :], dots,
+                 mask=(rows[:, None] < L) & (cols[None, :] < L))
 
 
 def band_outer(p, a, x, group):
     """A X^T per matrix (heads * group, L, L) where P is nonzero, 0 elsewhere, for a and x (heads *
     group, L, K) contiguous float32."""
     n, L, K = x.shape
-    chunks = triton.cdiv(K, BLOCK_K)
-    partial = torch.zeros(chunks, n, L, L, dtype=torch.float32, device=x.device)
+    chunks = -(-K // BLOCK_K)
+    partial = torch.empty(chunks, n, L, L, dtype=torch.float32, device=x.device)
     spec = _outer_spec()
-    _launch('triton.band_outer', spec, (n, triton.cdiv(L, ROWS), chunks), [p, a, x], [partial],
+    _launch('triton.band_outer', spec, (n, -(-L // ROWS), chunks), [p, a, x], [partial],
             p, a, x, partial, L, K, group, n)
     return partial.sum(0)
 
@@ -131,12 +149,12 @@ class BandFactor(DenseFactor):
 
 
 def _matmul_spec(transpose):
-    return _band_matmul_kernel, dict(TRANSPOSE=transpose, ROWS=ROWS, BLOCK_N=BLOCK_N,
+    return _band_matmul_kernel, dict(TRANSPOSE=transpose, ROWS=ROWS, BAND=BAND, BLOCK_N=BLOCK_N,
                                      SPAN_BLOCK=SPAN_BLOCK), 4
 
 
 def _outer_spec():
-    return _band_outer_kernel, dict(ROWS=ROWS, BLOCK_K=BLOCK_K, SPAN_BLOCK=SPAN_BLOCK), 4
+    return _band_outer_kernel, dict(ROWS=ROWS, BAND=BAND, BLOCK_K=BLOCK_K, SPAN_BLOCK=SPAN_BLOCK), 4
 
 
 def specializations():

@@ -140,7 +140,7 @@ def run_factors(pos_coef: Tensor, rows: int, cols: int) -> tuple[Tensor, Tensor]
     heads = coef.shape[0]
     p_y = coef.new_empty(heads, rows, rows)
     p_x = coef.new_empty(heads, cols, cols)
-    blocks = triton.cdiv(rows, ROWS) + triton.cdiv(cols, ROWS)
+    blocks = -(-rows // ROWS) - (-cols // ROWS)
     _launch('triton.axis_factors', _factors_spec(), (heads, blocks), [coef], [p_y, p_x], coef,
             p_y, p_x, rows, cols)
     return p_y, p_x

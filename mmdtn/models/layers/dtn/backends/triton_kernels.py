@@ -32,6 +32,8 @@ cell it holds at some 250 registers a thread, where a matrix product reads each 
 Every launch is recorded with the bytes of its operands (:func:`.base.record_launch`); with meta
 tensors the launches are only recorded, which gives the traffic of any shape without a GPU.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -73,6 +75,11 @@ def _launch(name, spec, grid, reads, writes, *args):
     record_launch(name, _bytes(*reads), _bytes(*writes))
     if reads[0].device.type != 'meta':
         kernel[grid](*args, **constexprs, num_warps=num_warps)
+
+
+def _cdiv(a, b):
+    """ceil(a / b) for ints (triton.cdiv is a JIT function: slower to call from the host)."""
+    return -(-a // b)
 
 
 def _c_block(C):
@@ -277,12 +284,13 @@ def moments(x, centre, grid, square_of_pooled=False):
                     device=x.device)
     first, second = (grid.from_column_major(T[:, :, k]) for k in range(2))
     spec = _moments_spec(C, grid.pool, square_of_pooled)
-    programs = (B * grid.Hp, triton.cdiv(grid.Wp, spec[1]['CELLS']))
+    programs = (B * grid.Hp, _cdiv(grid.Wp, spec[1]['CELLS']))
     _launch('triton.moments', spec, programs, [x, centre], [T], x, centre.contiguous(), first,
             second, grid.H, grid.W, C, grid.d, *_layout(first))
     return T
 
 
+@functools.lru_cache(maxsize=None)
 def _moments_spec(C, pool, square_of_pooled):
     constexprs, warps = _tiling(C, pool, SQUARE=pool == 1 or square_of_pooled)
     return _moments_kernel, constexprs, warps
@@ -326,13 +334,14 @@ def output(x, centre, m_first, m_second, ratios, weight, bias, eps, n_var, grid)
     B, _, C = x.shape
     y = torch.empty_like(x)
     spec = _output_spec(C, grid.pool)
-    programs = (B * grid.Hp, triton.cdiv(grid.Wp, spec[1]['CELLS']))
+    programs = (B * grid.Hp, _cdiv(grid.Wp, spec[1]['CELLS']))
     _launch('triton.output', spec, programs, [x, m_first, m_second, centre, ratios, weight, bias],
             [y], x, m_first, m_second, centre.contiguous(), ratios, weight, bias, y, grid.H,
             grid.W, C, grid.d, *_layout(m_first), float(eps), float(n_var))
     return y
 
 
+@functools.lru_cache(maxsize=None)
 def _output_spec(C, pool):
     constexprs, warps = _tiling(C, pool, RAW_SECOND=pool == 1)
     return _output_kernel, constexprs, warps
@@ -414,7 +423,7 @@ def token_gradients(g, x, centre, m_first, m_second, ratios, weight, eps, n_var,
                      device=x.device)
     dm_first, dm_second = (grid.from_head_major(t) for t in dm.unbind(1))
     spec = _token_gradients_spec(C, grid.pool)
-    programs = (B * grid.Hp, triton.cdiv(grid.Wp, spec[1]['CELLS'] * spec[1]['TILES']))
+    programs = (B * grid.Hp, _cdiv(grid.Wp, spec[1]['CELLS'] * spec[1]['TILES']))
     partial = torch.empty(programs[0] * programs[1], 6, C, dtype=torch.float32, device=x.device)
     _launch('triton.token_gradients', spec, programs,
             [g, x, m_first, m_second, centre, ratios, weight], [dm, partial], x, g, m_first,
@@ -423,6 +432,7 @@ def token_gradients(g, x, centre, m_first, m_second, ratios, weight, eps, n_var,
     return dm, partial.sum(0)
 
 
+@functools.lru_cache(maxsize=None)
 def _token_gradients_spec(C, pool):
     """Tiles of half the cells of :func:`_cells` (the pass holds six more token tensors, its sums
     for the parameters: compiled for sm_90 without spills), CELLS_PER_PROGRAM cells
@@ -494,7 +504,7 @@ def input_gradient(g, x, centre, m_first, m_second, ratios, weight, eps, n_var, 
     B, _, C = x.shape
     dx = torch.empty_like(x)
     spec = _input_gradient_spec(C, grid.pool, t_second is not None)
-    programs = (B * grid.Hp, triton.cdiv(grid.Wp, spec[1]['CELLS']))
+    programs = (B * grid.Hp, _cdiv(grid.Wp, spec[1]['CELLS']))
     _launch('triton.input_gradient', spec, programs,
             [g, x, m_first, m_second, centre, ratios, weight, t_first, t_second], [dx], x, g,
             m_first, m_second, centre.contiguous(), ratios, weight, t_first,
@@ -503,6 +513,7 @@ def input_gradient(g, x, centre, m_first, m_second, ratios, weight, eps, n_var, 
     return dx
 
 
+@functools.lru_cache(maxsize=None)
 def _input_gradient_spec(C, pool, second):
     constexprs, warps = _tiling(C, pool, BACKWARD_SHARE, RAW_SECOND=pool == 1, SECOND=second)
     return _input_gradient_kernel, constexprs, warps
