@@ -287,8 +287,9 @@ def fused_bound(C, pool, dtype):
     read twice and dx written backward. With pooling, Eq. 5's inter-token moments are per cell
     and channel (first and second, float32: 2 C 4 bytes per cell); they are written once and read
     once forward (the products fused into the read), and backward m is read twice, dL/dm (two
-    float32 values per cell and channel) written and read back. Without pooling every cell is a token and the moments need not be stored: a kernel
-    forms them from x's neighbours on chip, about a centre that a sample of the tokens gives."""
+    float32 values per cell and channel) written and read back. Without pooling every cell is a
+    token and the moments need not be stored: a kernel could form them from x's neighbours on
+    chip, about a centre that a sample of the tokens gives."""
     tokens = C * torch.empty((), dtype=dtype).element_size()
     if pool == 1:
         return 2 * tokens, 5 * tokens

@@ -40,8 +40,8 @@ import triton.language as tl
 
 from .base import record_launch
 
-__all__ = ['sample_centre', 'moments', 'output', 'token_gradients', 'input_gradient', 'specializations',
-           'TOKEN_POINTERS']
+__all__ = ['sample_centre', 'moments', 'output', 'token_gradients', 'input_gradient',
+           'specializations', 'TOKEN_POINTERS']
 
 #: Elements of a token tile (tokens x C_BLOCK channels) per thread of a program: a pass holds
 #: several such tiles (x, dL/dy, the cell statistics, ...) in registers.
@@ -238,8 +238,8 @@ def _normalised(x, mask, C, n_var, mean_it, var_it, lam_m, kap_m, lam_v, kap_v, 
 
 # ---------------------------------------------------------------------------- moments
 @triton.jit(do_not_specialize=_SIZES)
-def _moments_kernel(x_ptr, centre_ptr, t_first_ptr, t_second_ptr, H, W, C, d, t_sb,
-                    t_srow, t_scol, t_shead, SQUARE: tl.constexpr, POOL: tl.constexpr, CELLS: tl.constexpr,
+def _moments_kernel(x_ptr, centre_ptr, t_first_ptr, t_second_ptr, H, W, C, d, t_sb, t_srow,
+                    t_scol, t_shead, SQUARE: tl.constexpr, POOL: tl.constexpr, CELLS: tl.constexpr,
                     S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
     """T of CELLS cells of cell row ci of image b: the mean of x - centre over each cell's real
     tokens and the mean of its square, or with ``SQUARE`` (no pooling, or the reference code's
@@ -300,16 +300,16 @@ def _moments_spec(C, pool, square_of_pooled):
 @triton.jit(do_not_specialize=_SIZES)
 def _output_kernel(x_ptr, m_first_ptr, m_second_ptr, centre_ptr, ratios_ptr, weight_ptr,
                    bias_ptr, y_ptr, H, W, C, d, m_sb, m_srow, m_scol, m_shead, eps, n_var,
-                   RAW_SECOND: tl.constexpr, POOL: tl.constexpr, CELLS: tl.constexpr, S_BLOCK: tl.constexpr,
-                   C_BLOCK: tl.constexpr):
+                   RAW_SECOND: tl.constexpr, POOL: tl.constexpr, CELLS: tl.constexpr,
+                   S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
     """y of the tokens of CELLS cells of cell row ci of image b (Eqs. 2, 4, 5)."""
     row, block = tl.program_id(0), tl.program_id(1)
     Hp, Wp = (H + POOL - 1) // POOL, (W + POOL - 1) // POOL
     b, ci, start = row // Hp, row % Hp, block * CELLS
     offsets, cell_mask = _cell_tile(b, ci, start, Wp, C, d, m_sb, m_srow, m_scol, m_shead, CELLS,
                                     C_BLOCK)
-    first_cells, var_it_cells, first, var_it = _inter_token(m_first_ptr, m_second_ptr, offsets, cell_mask, CELLS,
-                                       S_BLOCK, C_BLOCK, RAW_SECOND)
+    first_cells, var_it_cells, first, var_it = _inter_token(
+        m_first_ptr, m_second_ptr, offsets, cell_mask, CELLS, S_BLOCK, C_BLOCK, RAW_SECOND)
     mean_it = first + _channel_row(centre_ptr + b * C, C, C_BLOCK)
     lam_m, kap_m = _channel_row(ratios_ptr, C, C_BLOCK), _channel_row(ratios_ptr + C, C, C_BLOCK)
     lam_v = _channel_row(ratios_ptr + 2 * C, C, C_BLOCK)
@@ -321,8 +321,8 @@ def _output_kernel(x_ptr, m_first_ptr, m_second_ptr, centre_ptr, ratios_ptr, wei
     for r in tl.static_range(POOL):
         tokens = (ci * POOL + r) * W + j
         x, mask = _load_tokens(x_image, tokens, real & (ci * POOL + r < H), C, C_BLOCK)
-        mean_ln, var_ln, rstd, xhat = _normalised(x, mask, C, n_var, mean_it, var_it, lam_m, kap_m, lam_v,
-                                    kap_v, eps)
+        mean_ln, var_ln, rstd, xhat = _normalised(x, mask, C, n_var, mean_it, var_it, lam_m,
+                                                  kap_m, lam_v, kap_v, eps)
         y = xhat * weight + bias  # Eq. 4
         tl.store(y_image + tokens[:, None] * C + cols[None, :], y.to(y_ptr.dtype.element_ty),
                  mask=mask)
@@ -350,8 +350,9 @@ def _output_spec(C, pool):
 # ---------------------------------------------------------------------------- backward pass 1
 @triton.jit(do_not_specialize=_SIZES)
 def _token_gradients_kernel(x_ptr, g_ptr, m_first_ptr, m_second_ptr, centre_ptr, ratios_ptr,
-                            weight_ptr, dm_first_ptr, dm_second_ptr, partial_ptr, H, W, C, d, m_sb, m_srow, m_scol, m_shead, eps, n_var,
-                            RAW_SECOND: tl.constexpr, POOL: tl.constexpr, CELLS: tl.constexpr, TILES: tl.constexpr,
+                            weight_ptr, dm_first_ptr, dm_second_ptr, partial_ptr, H, W, C, d,
+                            m_sb, m_srow, m_scol, m_shead, eps, n_var, RAW_SECOND: tl.constexpr,
+                            POOL: tl.constexpr, CELLS: tl.constexpr, TILES: tl.constexpr,
                             S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
     """For TILES tiles of CELLS cells of cell row ci of image b: with D1 = g w rstd (= -dL/dmu)
     and D2 = D1 xhat rstd (= -2 dL/dvar), dL/dm of every cell with respect to the raw moments and
@@ -449,8 +450,8 @@ def _token_gradients_spec(C, pool):
 def _input_gradient_kernel(x_ptr, g_ptr, m_first_ptr, m_second_ptr, centre_ptr, ratios_ptr,
                            weight_ptr, t_first_ptr, t_second_ptr, dx_ptr, H, W, C, d, m_sb,
                            m_srow, m_scol, m_shead, t_sb, t_srow, t_scol, t_shead, eps, n_var,
-                           RAW_SECOND: tl.constexpr, SECOND: tl.constexpr, POOL: tl.constexpr, CELLS: tl.constexpr,
-                           S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
+                           RAW_SECOND: tl.constexpr, SECOND: tl.constexpr, POOL: tl.constexpr,
+                           CELLS: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
     """dx of the tokens of CELLS cells of cell row ci of image b: D1 + beta (x - mu_ln) - tok1 / C
     (the gradient through Eq. 2, see :func:`..function.ln_gradient`) + (dL/dT_0 + 2 (x - centre)
     dL/dT_1) / n, n the cell's tokens; without ``SECOND`` no dL/dT_1."""
@@ -459,8 +460,8 @@ def _input_gradient_kernel(x_ptr, g_ptr, m_first_ptr, m_second_ptr, centre_ptr, 
     b, ci, start = row // Hp, row % Hp, block * CELLS
     offsets, cell_mask = _cell_tile(b, ci, start, Wp, C, d, m_sb, m_srow, m_scol, m_shead, CELLS,
                                     C_BLOCK)
-    first_cells, var_it_cells, first, var_it = _inter_token(m_first_ptr, m_second_ptr, offsets, cell_mask, CELLS,
-                                       S_BLOCK, C_BLOCK, RAW_SECOND)
+    first_cells, var_it_cells, first, var_it = _inter_token(
+        m_first_ptr, m_second_ptr, offsets, cell_mask, CELLS, S_BLOCK, C_BLOCK, RAW_SECOND)
     centre = _channel_row(centre_ptr + b * C, C, C_BLOCK)
     mean_it = first + centre
     lam_m, kap_m = _channel_row(ratios_ptr, C, C_BLOCK), _channel_row(ratios_ptr + C, C, C_BLOCK)
@@ -484,8 +485,8 @@ def _input_gradient_kernel(x_ptr, g_ptr, m_first_ptr, m_second_ptr, centre_ptr, 
         valid = real & (ci * POOL + r < H)
         x, mask = _load_tokens(x_image, tokens, valid, C, C_BLOCK)
         g, _ = _load_tokens(g_image, tokens, valid, C, C_BLOCK)
-        mean_ln, var_ln, rstd, xhat = _normalised(x, mask, C, n_var, mean_it, var_it, lam_m, kap_m,
-                                             lam_v, kap_v, eps)
+        mean_ln, var_ln, rstd, xhat = _normalised(x, mask, C, n_var, mean_it, var_it, lam_m,
+                                                  kap_m, lam_v, kap_v, eps)
         d1 = g * weight * rstd
         tok1 = tl.sum(d1 * lam_m, axis=1)
         tok2 = tl.sum(d1 * xhat * rstd * lam_v, axis=1)
