@@ -7,12 +7,12 @@ counts what the kernels' loads ask of the caches: it runs one layer forward and 
 kernels in Triton's interpreter (on CPU tensors, no GPU) and adds up, for every load instruction of
 every program, the bytes at its distinct addresses (a load whose lanes share an address, as the
 positional weights shared by a head's channels, counts that address once, as a GPU coalesces it).
-Loads of a program that read the same bytes again (the band of neighbours every tile of the
-positional products reads) count every time. Per token and against LayerNorm's bytes, for each
+Loads of a program that read the same bytes again (the rows of the band every block of the band
+products reads) count every time. Per token and against LayerNorm's bytes, for each
 kernel.
 
 The interpreter is slow, so the grids are the stages' at 800 x 1344 cropped by ``--crop`` (each
-side; batch 1). A tile near a border reads a shorter band, so a crop counts somewhat fewer reads
+side; batch 1). A block near a border reads a shorter band, so a crop counts somewhat fewer reads
 per token than the full grid.
 
 Usage::
