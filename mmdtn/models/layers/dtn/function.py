@@ -147,7 +147,7 @@ def _forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
     stats = backend.statistics(x, grid, convention)
     factor_y, factor_x = backend.factor(p_y), backend.factor(p_x)
     T = moments(stats, grid)
-    _, m = positional_products(T, factor_y, factor_x, grid)
+    _, m = positional_products(T, factor_y, factor_x, grid, not backend.raw_second_moment)
     n_var = convention.ln_divisor(grid.C)
     y = backend.output(x, stats, m, ratios, weight, bias, eps, n_var, grid)
     if not grid.pooled:
@@ -172,9 +172,7 @@ def _backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convent
     if grid.pooled:
         T, m = saved.moments, saved.products
     else:  # T = (x - centre, its square) and m recomputed
-        stats = TokenStatistics(saved.mean_ln, saved.var_ln, saved.centre, grid.cell_means(x),
-                                None)
-        T = moments(stats, grid)
+        T = backend.token_moments(x, saved.centre, grid)
         m = positional_products(T, factor_y, factor_x, grid)[1]
 
     # pass 1: with D1 = g w rstd (= -dL/dmu) and D2 = D1 xhat rstd (= -2 dL/dvar) per token and
@@ -217,14 +215,14 @@ def row_products(T, factor_x):
     return factor_x.matmul(T.view(heads, Wp, -1), layout=(T.shape, (0, 2, 3, 4, 1, 5)))
 
 
-def positional_products(T, factor_y, factor_x, grid):
-    """u = P_x T and m = P_y u = P^h T (Eq. 5), both head-major. With pooling, m's second slot is
-    turned into the inter-token variance P T_1 - (P T_0)^2 (clamped at 0); without pooling it keeps
-    the raw second moment, and the passes over the tokens form the variance per token."""
+def positional_products(T, factor_y, factor_x, grid, variance=True):
+    """u = P_x T and m = P_y u = P^h T (Eq. 5), both head-major. With pooling and ``variance``,
+    m's second slot is turned into the inter-token variance P T_1 - (P T_0)^2 (clamped at 0);
+    otherwise it keeps the raw second moment, and the passes over the tokens form the variance."""
     u = row_products(T, factor_x)
     Hp, Wp, d = grid.Hp, grid.Wp, grid.d
     m = factor_y.matmul(u.view(-1, Hp, Wp * d)).view(u.shape)
-    if grid.pooled:  # in place: m is this function's own tensor
+    if grid.pooled and variance:  # in place: m is this function's own tensor
         first, second = m.select(1, 0), m.select(1, 1)  # single views: in-place is traceable
         second.addcmul_(first, first, value=-1).clamp_min_(0)
     return u, m

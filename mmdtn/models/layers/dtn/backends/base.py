@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ..function import Saved
+from ..function import Saved, TokenStatistics, moments
 from ..positional import axis_factors
 
 __all__ = ['Backend', 'DenseFactor', 'KernelLaunch', 'recording_launches', 'record_launch',
@@ -30,6 +30,10 @@ class Backend:
     #: whether the backward pass keeps Eq. 2 per token (:class:`..function.Saved`); a backend
     #: whose passes form it again wherever they read a token keeps None
     keeps_token_statistics = True
+    #: whether the passes take the second moment of the products m raw (P T_1) with pooling too,
+    #: forming the inter-token variance P T_1 - (P T_0)^2 themselves (as every backend does
+    #: without pooling), rather than from m turned into it by :func:`..function.positional_products`
+    raw_second_moment = False
 
     def supports(self, x, grid, dtype) -> Optional[str]:
         """Why this backend cannot run tokens ``x`` on ``grid`` with statistics in ``dtype``
@@ -51,6 +55,11 @@ class Backend:
         computation dtype: :func:`..positional.axis_factors` unless the backend forms them
         itself."""
         return axis_factors(pos_coef, rows, cols)
+
+    def token_moments(self, x, centre, grid):
+        """Without pooling, the moments T of :func:`..function.moments` (x - centre and its
+        square, column-major) from the tokens and the centre (backward recomputes them)."""
+        return moments(TokenStatistics(None, None, centre, grid.cell_means(x), None), grid)
 
     def factor(self, p):
         """The products with one positional factor p (heads, L, L): an object with

@@ -48,6 +48,7 @@ class TritonBackend(Backend):
     devices = ('cuda', )
     input_dtypes = (torch.float16, torch.bfloat16, torch.float32)
     keeps_token_statistics = False
+    raw_second_moment = True
 
     def __init__(self):
         self.apply = define_custom_ops(self, 'triton')
@@ -69,6 +70,9 @@ class TritonBackend(Backend):
 
     def factor(self, p):
         return BandFactor(p)
+
+    def token_moments(self, x, centre, grid):
+        return kernels.moments(x, centre, grid)
 
     def statistics(self, x, grid, convention):
         centre = kernels.sample_centre(x)

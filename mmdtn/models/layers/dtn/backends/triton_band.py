@@ -105,7 +105,8 @@ def band_matmul(p, x, group, transpose=False):
 def _band_outer_kernel(p_ptr, a_ptr, b_ptr, out_ptr, L, K, group, matrices, ROWS: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPAN_BLOCK: tl.constexpr):
     """Chunk ``s`` of the sums G[k, i, j] = sum_c A[k, i, c] X[k, j, c] for rows i of block
-    ``rb`` and the columns j where P[h, i, j] != 0, one column of the band at a time."""
+    ``rb`` and the columns j where P[h, i, j] != 0, one column of the band at a time; 0 in the
+    other columns of the rows (every entry written)."""
     k, rb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     p_head = p_ptr + (k // group).to(tl.int64) * L * L
     rows = rb * ROWS + tl.arange(0, ROWS)
@@ -120,6 +121,11 @@ def _band_outer_kernel(p_ptr, a_ptr, b_ptr, out_ptr, L, K, group, matrices, ROWS
         weights = tl.load(p_head + rows * L + j, mask=rows < L, other=0.0)
         dots = tl.sum(a * x_row[None, :], axis=1)
         tl.store(out + j, tl.where(weights != 0, dots, 0.0), mask=rows < L)
+    for start in range(0, L, SPAN_BLOCK):
+        cols = start + tl.arange(0, SPAN_BLOCK)
+        outside = (rows[:, None] < L) & (cols[None, :] < L) & ((cols < lo) | (cols >= hi))[None, :]
+        tl.store(out[:, None] + cols[None, :], tl.zeros([ROWS, SPAN_BLOCK], tl.float32),
+                 mask=outside)
 
 
 def band_outer(p, a, x, group):
@@ -127,7 +133,7 @@ def band_outer(p, a, x, group):
     group, L, K) contiguous float32."""
     n, L, K = x.shape
     chunks = -(-K // OUTER_BLOCK_K)
-    partial = torch.zeros(chunks, n, L, L, dtype=torch.float32, device=x.device)
+    partial = torch.empty(chunks, n, L, L, dtype=torch.float32, device=x.device)
     spec = _outer_spec()
     _launch('triton.band_outer', spec, (n, -(-L // ROWS), chunks), [p, a, x], [partial],
             p, a, x, partial, L, K, group, n)

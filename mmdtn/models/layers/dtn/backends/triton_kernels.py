@@ -211,15 +211,13 @@ def _channel_row(ptr, C, C_BLOCK: tl.constexpr):
 
 @triton.jit
 def _inter_token(m_first_ptr, m_second_ptr, offsets, cell_mask, CELLS: tl.constexpr,
-                 S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, RAW_SECOND: tl.constexpr):
-    """The products m of a tile's cells: the first moment about the centre and var_it, per cell
-    [CELLS, C_BLOCK] and per token. Without pooling m's second slot is the raw second moment and
-    var_it = m_second - m_first^2 (clamped at 0); with pooling the products turned it into var_it
-    already (:func:`..function.positional_products`)."""
+                 S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
+    """The products m of a tile's cells: the first moment about the centre and the inter-token
+    variance var_it = m_second - m_first^2 (clamped at 0; m_second = P T_1 is the raw second
+    moment), per cell [CELLS, C_BLOCK] and per token."""
     first = tl.load(m_first_ptr + offsets, mask=cell_mask, other=0.0)
-    var_it = tl.load(m_second_ptr + offsets, mask=cell_mask, other=0.0)
-    if RAW_SECOND:
-        var_it = tl.maximum(var_it - first * first, 0.0)
+    second = tl.load(m_second_ptr + offsets, mask=cell_mask, other=0.0)
+    var_it = tl.maximum(second - first * first, 0.0)
     return (first, var_it, _per_token(first, CELLS, S_BLOCK, C_BLOCK),
             _per_token(var_it, CELLS, S_BLOCK, C_BLOCK))
 
@@ -272,8 +270,7 @@ def _moments_kernel(x_ptr, centre_ptr, t_first_ptr, t_second_ptr, H, W, C, d, t_
 def sample_centre(x):
     """The centre of the moments, (B, 1, 1, C) float32: the mean of every CENTRE_STRIDE-th token
     (a 17th of x read)."""
-    sample = x[:, ::CENTRE_STRIDE]
-    return (sample.sum(1, dtype=torch.float32) / sample.shape[1]).view(x.shape[0], 1, 1, -1)
+    return x[:, None, ::CENTRE_STRIDE].mean(2, keepdim=True, dtype=torch.float32)
 
 
 def moments(x, centre, grid, square_of_pooled=False):
@@ -300,7 +297,7 @@ def _moments_spec(C, pool, square_of_pooled):
 @triton.jit(do_not_specialize=_SIZES)
 def _output_kernel(x_ptr, m_first_ptr, m_second_ptr, centre_ptr, ratios_ptr, weight_ptr,
                    bias_ptr, y_ptr, H, W, C, d, m_sb, m_srow, m_scol, m_shead, eps, n_var,
-                   RAW_SECOND: tl.constexpr, POOL: tl.constexpr, CELLS: tl.constexpr,
+                   POOL: tl.constexpr, CELLS: tl.constexpr,
                    S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
     """y of the tokens of CELLS cells of cell row ci of image b (Eqs. 2, 4, 5)."""
     row, block = tl.program_id(0), tl.program_id(1)
@@ -309,7 +306,7 @@ def _output_kernel(x_ptr, m_first_ptr, m_second_ptr, centre_ptr, ratios_ptr, wei
     offsets, cell_mask = _cell_tile(b, ci, start, Wp, C, d, m_sb, m_srow, m_scol, m_shead, CELLS,
                                     C_BLOCK)
     first_cells, var_it_cells, first, var_it = _inter_token(
-        m_first_ptr, m_second_ptr, offsets, cell_mask, CELLS, S_BLOCK, C_BLOCK, RAW_SECOND)
+        m_first_ptr, m_second_ptr, offsets, cell_mask, CELLS, S_BLOCK, C_BLOCK)
     mean_it = first + _channel_row(centre_ptr + b * C, C, C_BLOCK)
     lam_m, kap_m = _channel_row(ratios_ptr, C, C_BLOCK), _channel_row(ratios_ptr + C, C, C_BLOCK)
     lam_v = _channel_row(ratios_ptr + 2 * C, C, C_BLOCK)
@@ -343,7 +340,7 @@ def output(x, centre, m_first, m_second, ratios, weight, bias, eps, n_var, grid)
 
 @functools.lru_cache(maxsize=None)
 def _output_spec(C, pool):
-    constexprs, warps = _tiling(C, pool, RAW_SECOND=pool == 1)
+    constexprs, warps = _tiling(C, pool)
     return _output_kernel, constexprs, warps
 
 
@@ -351,8 +348,7 @@ def _output_spec(C, pool):
 @triton.jit(do_not_specialize=_SIZES)
 def _token_gradients_kernel(x_ptr, g_ptr, m_first_ptr, m_second_ptr, centre_ptr, ratios_ptr,
                             weight_ptr, dm_first_ptr, dm_second_ptr, partial_ptr, H, W, C, d,
-                            m_sb, m_srow, m_scol, m_shead, eps, n_var, RAW_SECOND: tl.constexpr,
-                            POOL: tl.constexpr, CELLS: tl.constexpr, TILES: tl.constexpr,
+                            m_sb, m_srow, m_scol, m_shead, eps, n_var, POOL: tl.constexpr, CELLS: tl.constexpr, TILES: tl.constexpr,
                             S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
     """For TILES tiles of CELLS cells of cell row ci of image b: with D1 = g w rstd (= -dL/dmu)
     and D2 = D1 xhat rstd (= -2 dL/dvar), dL/dm of every cell with respect to the raw moments and
@@ -378,8 +374,7 @@ def _token_gradients_kernel(x_ptr, g_ptr, m_first_ptr, m_second_ptr, centre_ptr,
         offsets, cell_mask = _cell_tile(b, ci, start, Wp, C, d, m_sb, m_srow, m_scol, m_shead,
                                         CELLS, C_BLOCK)
         first, var_it, first_t, var_it_t = _inter_token(m_first_ptr, m_second_ptr, offsets,
-                                                        cell_mask, CELLS, S_BLOCK, C_BLOCK,
-                                                        RAW_SECOND)
+                                                        cell_mask, CELLS, S_BLOCK, C_BLOCK)
         mean_it = first_t + centre
         j, real = _cell_columns(start, POOL, W, Wp, CELLS, S_BLOCK)
         d1_cells = tl.zeros([CELLS, C_BLOCK], tl.float32)
@@ -441,7 +436,7 @@ def _token_gradients_spec(C, pool):
     share = BACKWARD_SHARE
     cells = min(_cells(C, pool, share), CELLS_PER_PROGRAM)
     tiles = (CELLS_PER_PROGRAM if pool > 1 else TOKENS_PER_PROGRAM) // cells
-    constexprs, warps = _tiling(C, pool, share, RAW_SECOND=pool == 1, TILES=max(1, tiles))
+    constexprs, warps = _tiling(C, pool, share, TILES=max(1, tiles))
     return _token_gradients_kernel, constexprs, warps
 
 
@@ -450,7 +445,7 @@ def _token_gradients_spec(C, pool):
 def _input_gradient_kernel(x_ptr, g_ptr, m_first_ptr, m_second_ptr, centre_ptr, ratios_ptr,
                            weight_ptr, t_first_ptr, t_second_ptr, dx_ptr, H, W, C, d, m_sb,
                            m_srow, m_scol, m_shead, t_sb, t_srow, t_scol, t_shead, eps, n_var,
-                           RAW_SECOND: tl.constexpr, SECOND: tl.constexpr, POOL: tl.constexpr,
+                           SECOND: tl.constexpr, POOL: tl.constexpr,
                            CELLS: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
     """dx of the tokens of CELLS cells of cell row ci of image b: D1 + beta (x - mu_ln) - tok1 / C
     (the gradient through Eq. 2, see :func:`..function.ln_gradient`) + (dL/dT_0 + 2 (x - centre)
@@ -461,7 +456,7 @@ def _input_gradient_kernel(x_ptr, g_ptr, m_first_ptr, m_second_ptr, centre_ptr, 
     offsets, cell_mask = _cell_tile(b, ci, start, Wp, C, d, m_sb, m_srow, m_scol, m_shead, CELLS,
                                     C_BLOCK)
     first_cells, var_it_cells, first, var_it = _inter_token(
-        m_first_ptr, m_second_ptr, offsets, cell_mask, CELLS, S_BLOCK, C_BLOCK, RAW_SECOND)
+        m_first_ptr, m_second_ptr, offsets, cell_mask, CELLS, S_BLOCK, C_BLOCK)
     centre = _channel_row(centre_ptr + b * C, C, C_BLOCK)
     mean_it = first + centre
     lam_m, kap_m = _channel_row(ratios_ptr, C, C_BLOCK), _channel_row(ratios_ptr + C, C, C_BLOCK)
@@ -516,7 +511,7 @@ def input_gradient(g, x, centre, m_first, m_second, ratios, weight, eps, n_var, 
 
 @functools.lru_cache(maxsize=None)
 def _input_gradient_spec(C, pool, second):
-    constexprs, warps = _tiling(C, pool, BACKWARD_SHARE, RAW_SECOND=pool == 1, SECOND=second)
+    constexprs, warps = _tiling(C, pool, BACKWARD_SHARE, SECOND=second)
     return _input_gradient_kernel, constexprs, warps
 
 
