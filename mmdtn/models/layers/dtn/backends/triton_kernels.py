@@ -348,8 +348,9 @@ def _output_spec(C, pool):
 @triton.jit(do_not_specialize=_SIZES)
 def _token_gradients_kernel(x_ptr, g_ptr, m_first_ptr, m_second_ptr, centre_ptr, ratios_ptr,
                             weight_ptr, dm_first_ptr, dm_second_ptr, partial_ptr, H, W, C, d,
-                            m_sb, m_srow, m_scol, m_shead, eps, n_var, POOL: tl.constexpr, CELLS: tl.constexpr, TILES: tl.constexpr,
-                            S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
+                            m_sb, m_srow, m_scol, m_shead, eps, n_var, POOL: tl.constexpr,
+                            CELLS: tl.constexpr, TILES: tl.constexpr, S_BLOCK: tl.constexpr,
+                            C_BLOCK: tl.constexpr):
     """For TILES tiles of CELLS cells of cell row ci of image b: with D1 = g w rstd (= -dL/dmu)
     and D2 = D1 xhat rstd (= -2 dL/dvar), dL/dm of every cell with respect to the raw moments and
     the program's sums of xhat g, g, mu_ln D1, var_ln D2, mu_it D1, var_it D2 (6, C)."""
