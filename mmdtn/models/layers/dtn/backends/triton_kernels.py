@@ -23,11 +23,13 @@ time (:func:`_cell_columns`):
 The centre about which T is taken is the mean of every ``CENTRE_STRIDE``-th token (rows of P sum
 to 1, so the statistics do not depend on it; one near the tokens' values keeps the second moment
 about it free of cancellation). The positional products m = P_y (P_x T) (Eq. 5, by the two factors
-of P^h) run between the passes as batched matrix products on the cell grid, one axis at a time
-(:mod:`..function`), and their cell tensors travel in float32. Forming them instead on chip over
-the nonzero bands of P, for every tile of tokens, moves fewer bytes but was measured 4-8x slower
-without pooling on an H200 (README, "DTN on GPUs"): each program then walks the band of every
-cell it holds at some 250 registers a thread, where a matrix product reads each band once.
+of P^h) run between the passes on the cell grid, one axis at a time (:mod:`..function`), over the
+nonzero band of each factor (:mod:`.triton_band`); their cell tensors travel in float32, and the
+passes form the inter-token variance from m's raw second moment. An earlier design formed the
+products on chip inside these passes, over the band of every tile of 2 to 4 tokens or cells: it
+moved fewer bytes but took 7x LayerNorm's time on an H200 at pooling 4 and 150-400x without
+pooling (README, "DTN on GPUs"), each program walking the band of every cell it held at up to 250
+registers a thread.
 
 Every launch is recorded with the bytes of its operands (:func:`.base.record_launch`); with meta
 tensors the launches are only recorded, which gives the traffic of any shape without a GPU.
