@@ -212,6 +212,23 @@ def _channel_row(ptr, C, C_BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _program_tile(H, W, POOL: tl.constexpr, CELLS: tl.constexpr):
+    """The image b, cell row ci and first cell of a program (row b Hp + ci, block of CELLS
+    cells), and the cells per row Wp."""
+    row, block = tl.program_id(0), tl.program_id(1)
+    Hp, Wp = (H + POOL - 1) // POOL, (W + POOL - 1) // POOL
+    return row // Hp, row % Hp, block * CELLS, Wp
+
+
+@triton.jit
+def _ratio_rows(ratios_ptr, C, C_BLOCK: tl.constexpr):
+    """lambda_mean, 1 - lambda_mean, lambda_var, 1 - lambda_var, each [1, C_BLOCK]."""
+    return (_channel_row(ratios_ptr, C, C_BLOCK), _channel_row(ratios_ptr + C, C, C_BLOCK),
+            _channel_row(ratios_ptr + 2 * C, C, C_BLOCK),
+            _channel_row(ratios_ptr + 3 * C, C, C_BLOCK))
+
+
+@triton.jit
 def _inter_token(m_first_ptr, m_second_ptr, offsets, cell_mask, CELLS: tl.constexpr,
                  S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
     """The products m of a tile's cells: the first moment about the centre and the inter-token
@@ -244,9 +261,7 @@ def _moments_kernel(x_ptr, centre_ptr, t_first_ptr, t_second_ptr, H, W, C, d, t_
     """T of CELLS cells of cell row ci of image b: the mean of x - centre over each cell's real
     tokens and the mean of its square, or with ``SQUARE`` (no pooling, or the reference code's
     convention) the square of the first."""
-    row, block = tl.program_id(0), tl.program_id(1)
-    Hp, Wp = (H + POOL - 1) // POOL, (W + POOL - 1) // POOL
-    b, ci, start = row // Hp, row % Hp, block * CELLS
+    b, ci, start, Wp = _program_tile(H, W, POOL, CELLS)
     centre = tl.load(centre_ptr + b * C + tl.arange(0, C_BLOCK), mask=tl.arange(0, C_BLOCK) < C,
                      other=0.0)[None, :]
     x_image = _image(x_ptr, b, H * W * C)
@@ -302,17 +317,13 @@ def _output_kernel(x_ptr, m_first_ptr, m_second_ptr, centre_ptr, ratios_ptr, wei
                    POOL: tl.constexpr, CELLS: tl.constexpr,
                    S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
     """y of the tokens of CELLS cells of cell row ci of image b (Eqs. 2, 4, 5)."""
-    row, block = tl.program_id(0), tl.program_id(1)
-    Hp, Wp = (H + POOL - 1) // POOL, (W + POOL - 1) // POOL
-    b, ci, start = row // Hp, row % Hp, block * CELLS
+    b, ci, start, Wp = _program_tile(H, W, POOL, CELLS)
     offsets, cell_mask = _cell_tile(b, ci, start, Wp, C, d, m_sb, m_srow, m_scol, m_shead, CELLS,
                                     C_BLOCK)
     first_cells, var_it_cells, first, var_it = _inter_token(
         m_first_ptr, m_second_ptr, offsets, cell_mask, CELLS, S_BLOCK, C_BLOCK)
     mean_it = first + _channel_row(centre_ptr + b * C, C, C_BLOCK)
-    lam_m, kap_m = _channel_row(ratios_ptr, C, C_BLOCK), _channel_row(ratios_ptr + C, C, C_BLOCK)
-    lam_v = _channel_row(ratios_ptr + 2 * C, C, C_BLOCK)
-    kap_v = _channel_row(ratios_ptr + 3 * C, C, C_BLOCK)
+    lam_m, kap_m, lam_v, kap_v = _ratio_rows(ratios_ptr, C, C_BLOCK)
     weight, bias = _channel_row(weight_ptr, C, C_BLOCK), _channel_row(bias_ptr, C, C_BLOCK)
     cols = tl.arange(0, C_BLOCK)
     x_image, y_image = _image(x_ptr, b, H * W * C), _image(y_ptr, b, H * W * C)
@@ -356,14 +367,10 @@ def _token_gradients_kernel(x_ptr, g_ptr, m_first_ptr, m_second_ptr, centre_ptr,
     """For TILES tiles of CELLS cells of cell row ci of image b: with D1 = g w rstd (= -dL/dmu)
     and D2 = D1 xhat rstd (= -2 dL/dvar), dL/dm of every cell with respect to the raw moments and
     the program's sums of xhat g, g, mu_ln D1, var_ln D2, mu_it D1, var_it D2 (6, C)."""
-    row, block = tl.program_id(0), tl.program_id(1)
-    Hp, Wp = (H + POOL - 1) // POOL, (W + POOL - 1) // POOL
-    b, ci = row // Hp, row % Hp
+    b, ci, first_cell, Wp = _program_tile(H, W, POOL, CELLS * TILES)
     cols = tl.arange(0, C_BLOCK)
     centre = _channel_row(centre_ptr + b * C, C, C_BLOCK)
-    lam_m, kap_m = _channel_row(ratios_ptr, C, C_BLOCK), _channel_row(ratios_ptr + C, C, C_BLOCK)
-    lam_v = _channel_row(ratios_ptr + 2 * C, C, C_BLOCK)
-    kap_v = _channel_row(ratios_ptr + 3 * C, C, C_BLOCK)
+    lam_m, kap_m, lam_v, kap_v = _ratio_rows(ratios_ptr, C, C_BLOCK)
     weight = _channel_row(weight_ptr, C, C_BLOCK)
     x_image, g_image = _image(x_ptr, b, H * W * C), _image(g_ptr, b, H * W * C)
     xhat_g = tl.zeros([CELLS * S_BLOCK, C_BLOCK], tl.float32)
@@ -373,7 +380,7 @@ def _token_gradients_kernel(x_ptr, g_ptr, m_first_ptr, m_second_ptr, centre_ptr,
     mean_it_d1 = tl.zeros([CELLS * S_BLOCK, C_BLOCK], tl.float32)
     var_it_d2 = tl.zeros([CELLS * S_BLOCK, C_BLOCK], tl.float32)
     for tile in range(TILES):
-        start = (block * TILES + tile) * CELLS
+        start = first_cell + tile * CELLS
         offsets, cell_mask = _cell_tile(b, ci, start, Wp, C, d, m_sb, m_srow, m_scol, m_shead,
                                         CELLS, C_BLOCK)
         first, var_it, first_t, var_it_t = _inter_token(m_first_ptr, m_second_ptr, offsets,
@@ -404,7 +411,8 @@ def _token_gradients_kernel(x_ptr, g_ptr, m_first_ptr, m_second_ptr, centre_ptr,
         dm_first = -kap_m * d1_cells - 2.0 * first * dm_second
         tl.store(dm_first_ptr + offsets, dm_first, mask=cell_mask)
         tl.store(dm_second_ptr + offsets, dm_second, mask=cell_mask)
-    partial = partial_ptr + (row * tl.num_programs(1) + block).to(tl.int64) * 6 * C + cols
+    program = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    partial = partial_ptr + program.to(tl.int64) * 6 * C + cols
     tl.store(partial, _token_sums(xhat_g, CELLS * S_BLOCK, C_BLOCK), mask=cols < C)
     tl.store(partial + C, _token_sums(g_sum, CELLS * S_BLOCK, C_BLOCK), mask=cols < C)
     tl.store(partial + 2 * C, _token_sums(mean_ln_d1, CELLS * S_BLOCK, C_BLOCK), mask=cols < C)
@@ -453,18 +461,14 @@ def _input_gradient_kernel(x_ptr, g_ptr, m_first_ptr, m_second_ptr, centre_ptr, 
     """dx of the tokens of CELLS cells of cell row ci of image b: D1 + beta (x - mu_ln) - tok1 / C
     (the gradient through Eq. 2, see :func:`..function.ln_gradient`) + (dL/dT_0 + 2 (x - centre)
     dL/dT_1) / n, n the cell's tokens; without ``SECOND`` no dL/dT_1."""
-    row, block = tl.program_id(0), tl.program_id(1)
-    Hp, Wp = (H + POOL - 1) // POOL, (W + POOL - 1) // POOL
-    b, ci, start = row // Hp, row % Hp, block * CELLS
+    b, ci, start, Wp = _program_tile(H, W, POOL, CELLS)
     offsets, cell_mask = _cell_tile(b, ci, start, Wp, C, d, m_sb, m_srow, m_scol, m_shead, CELLS,
                                     C_BLOCK)
     first_cells, var_it_cells, first, var_it = _inter_token(
         m_first_ptr, m_second_ptr, offsets, cell_mask, CELLS, S_BLOCK, C_BLOCK)
     centre = _channel_row(centre_ptr + b * C, C, C_BLOCK)
     mean_it = first + centre
-    lam_m, kap_m = _channel_row(ratios_ptr, C, C_BLOCK), _channel_row(ratios_ptr + C, C, C_BLOCK)
-    lam_v = _channel_row(ratios_ptr + 2 * C, C, C_BLOCK)
-    kap_v = _channel_row(ratios_ptr + 3 * C, C, C_BLOCK)
+    lam_m, kap_m, lam_v, kap_v = _ratio_rows(ratios_ptr, C, C_BLOCK)
     weight = _channel_row(weight_ptr, C, C_BLOCK)
     offsets, cell_mask = _cell_tile(b, ci, start, Wp, C, d, t_sb, t_srow, t_scol, t_shead, CELLS,
                                     C_BLOCK)
