@@ -257,6 +257,18 @@ def test_centre_from_a_sample_of_the_tokens(triton_dtn, pool):
     assert max(relative_errors(norm, x.float().to(DEVICE), (6, 9))) < 1e-4
 
 
+@pytest.mark.parametrize('pool', [1, 2])
+def test_statistics_for_analysis_equal_the_pytorch_backend(triton_dtn, pool):
+    """DynamicTokenNorm.statistics (Eqs. 2 and 5, for the analysis tools) on the Triton backend,
+    whose passes never store Eq. 2, equals the 'torch' backend's to float32 rounding."""
+    norm = randomize(DynamicTokenNorm(16, 4, pool_size=pool)).float().to(DEVICE)
+    x = tokens(2, 6, 7, 16, torch.float32).to(DEVICE)
+    stats = norm.statistics(x, (6, 7))
+    set_dtn_backend('torch')
+    for name, value in norm.statistics(x, (6, 7)).items():
+        assert torch.allclose(stats[name], value, atol=1e-5 * value.abs().max().item()), name
+
+
 def test_compiles_with_torch_compile(triton_dtn):
     torch._dynamo.reset()
     norm = randomize(DynamicTokenNorm(16, 2, pool_size=2)).float().to(DEVICE)
