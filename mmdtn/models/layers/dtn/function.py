@@ -233,7 +233,7 @@ def rows_backward(dm, u, factor_y, grid):
     dL/dm (head-major, with respect to the raw moments)."""
     heads, B, Hp, Wp, d = grid.heads, grid.B, grid.Hp, grid.Wp, grid.d
     dm_rows = dm.view(-1, Hp, Wp * d)
-    grad_p_y = factor_y.outer(dm_rows, u.view(-1, Hp, Wp * d)).view(heads, 2 * B, Hp, Hp).sum(1)
+    grad_p_y = factor_y.outer(dm_rows, u.view(-1, Hp, Wp * d))
     del u
     du = factor_y.matmul(dm_rows, transpose=True,
                          layout=((heads, 2, B, Hp, Wp, d), (0, 4, 1, 2, 3, 5)))
@@ -265,9 +265,10 @@ def ln_gradient(tok1, tok2, mean_ln, C, n_var):
 def parameter_gradients(sums):
     """The gradients of weight, bias and the ratios (4, C) from the sums over the tokens (6, C) of
     xhat g, g, mu_ln D1, var_ln D2, mu_it D1 and var_it D2 (D1 = -dL/dmu, D2 = -2 dL/dvar)."""
-    xhat_g, g, mean_ln_d1, var_ln_d2, mean_it_d1, var_it_d2 = sums.unbind(0)
-    ratios = torch.stack([-mean_ln_d1, -mean_it_d1, -0.5 * var_ln_d2, -0.5 * var_it_d2])
-    return ratios, xhat_g.clone(), g.clone()  # not views of one tensor
+    # rows 2-5 as (lambda_mean, lambda_var) x (ln, it): (mu_ln D1, mu_it D1), (var_ln D2, var_it D2)
+    gates = sums[2:].view(2, 2, -1).transpose(0, 1)
+    ratios = torch.cat([gates[0].neg(), gates[1].mul(-0.5)])
+    return ratios, sums[0].clone(), sums[1].clone()  # not views of one tensor
 
 
 def inter_token_statistics(backend, x, p_y, p_x, grid, convention):

@@ -13,8 +13,8 @@ import torch
 from ..function import Saved, TokenStatistics, moments
 from ..positional import axis_factors
 
-__all__ = ['Backend', 'DenseFactor', 'KernelLaunch', 'recording_launches', 'record_launch',
-           'RecordedKernels']
+__all__ = ['Backend', 'DenseFactor', 'per_head', 'KernelLaunch', 'recording_launches',
+           'record_launch', 'RecordedKernels']
 
 
 class Backend:
@@ -122,8 +122,15 @@ class DenseFactor:
         return torch.bmm(p.transpose(1, 2) if transpose else p, x)
 
     def outer(self, a, x):
-        """The gradient of P for u = P x and dL/du = a, per matrix: a x^T (n, L, L)."""
-        return torch.bmm(a, x.transpose(1, 2))
+        """The gradient of P for u = P x and dL/du = a: a x^T summed over the matrices of each
+        head (heads, L, L)."""
+        return per_head(torch.bmm(a, x.transpose(1, 2)), self.p.shape[0])
+
+
+def per_head(grads, heads):
+    """Gradients of P per matrix (heads * group, L, L) summed over each head's group."""
+    L = grads.shape[-1]
+    return grads if grads.shape[0] == heads else grads.view(heads, -1, L, L).sum(1)
 
 
 # ---------------------------------------------------------------------------- launch records

@@ -16,7 +16,7 @@ record as single operations.
 import torch
 
 from ..function import TokenStatistics, define_custom_ops
-from .base import Backend, DenseFactor, RecordedKernels
+from .base import Backend, DenseFactor, RecordedKernels, per_head
 
 try:  # built by setup.py
     from .. import _cpu_kernels
@@ -73,7 +73,8 @@ class BandedFactor:
         return out
 
     def outer(self, a, x):
-        return kernels.band_outer(p=self.p, a=a, x=x, group=x.shape[0] // self.p.shape[0])
+        heads = self.p.shape[0]
+        return per_head(kernels.band_outer(p=self.p, a=a, x=x, group=x.shape[0] // heads), heads)
 
 
 class CpuBackend(Backend):

@@ -129,15 +129,15 @@ def _band_outer_kernel(p_ptr, a_ptr, b_ptr, out_ptr, L, K, group, matrices, ROWS
 
 
 def band_outer(p, a, x, group):
-    """A X^T per matrix (heads * group, L, L) where P is nonzero, 0 elsewhere, for a and x (heads *
-    group, L, K) contiguous float32."""
+    """A X^T where P is nonzero, 0 elsewhere, summed over the matrices of each head (heads, L, L),
+    for a and x (heads * group, L, K) contiguous float32."""
     n, L, K = x.shape
     chunks = -(-K // OUTER_BLOCK_K)
     partial = torch.empty(chunks, n, L, L, dtype=torch.float32, device=x.device)
     spec = _outer_spec()
     _launch('triton.band_outer', spec, (n, -(-L // ROWS), chunks), [p, a, x], [partial],
             p, a, x, partial, L, K, group, n)
-    return partial.sum(0)
+    return partial.view(chunks, -1, group, L, L).sum((0, 2))
 
 
 class BandFactor(DenseFactor):
