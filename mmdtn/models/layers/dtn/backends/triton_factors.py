@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..function import CUSTOM_OP_IMPLEMENTATIONS
+from ..function import CUSTOM_OP_IMPLEMENTATIONS, watched
 from ..positional import truncation_cutoff
 from .triton_kernels import _launch
 
@@ -175,18 +175,35 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*output)
 
 
-def _differentiate(ctx, grad_y, grad_x):
+def _differentiate(ctx, grad_y, grad_x, backward=_factors_backward):
     p_y, p_x = ctx.saved_tensors
     grad_y = torch.zeros_like(p_y) if grad_y is None else grad_y.contiguous()
     grad_x = torch.zeros_like(p_x) if grad_x is None else grad_x.contiguous()
-    return _factors_backward(p_y, p_x, grad_y, grad_x), None, None
+    return backward(p_y, p_x, grad_y, grad_x), None, None
 
 
 _factors.register_autograd(_differentiate, setup_context=_setup_context)
 CUSTOM_OP_IMPLEMENTATIONS.update(zip(NAMES, (run_factors, run_factors_backward)))
 
 
+class _EagerFactors(torch.autograd.Function):
+    """The custom op's Python in eager calls (:func:`..function.watched`)."""
+
+    @staticmethod
+    def forward(ctx, pos_coef, rows, cols):
+        factors = run_factors(pos_coef, rows, cols)
+        _setup_context(ctx, None, factors)
+        return factors
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y, grad_x):
+        return _differentiate(ctx, grad_y, grad_x, run_factors_backward)
+
+
 def axis_factors(pos_coef, rows, cols):
     """(P_y, P_x) of :func:`..positional.axis_factors` for float32 coefficients ``pos_coef``
     (heads, 3), in the Triton kernels of this module."""
+    if not watched(pos_coef):
+        return _EagerFactors.apply(pos_coef, rows, cols)
     return _factors(pos_coef, rows, cols)
