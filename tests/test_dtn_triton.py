@@ -149,7 +149,7 @@ def test_kernel_loads_counts_what_the_interpreted_kernels_load(backend_setting):
     H, W, C = 6, 9, 8
     x_bytes = H * W * C * 4
     operands, loads = count(C, 2, 2, H, W, torch.float32)['forward']['triton.moments']
-    programs = 3  # a cell row each: tiles of 16 tokens hold a row of 5 cells of 2 x 2 tokens
+    programs = 3  # one per cell row: a tile of 32 cells of 2 x 2 tokens covers its 5 cells
     assert loads == x_bytes + programs * C * 4 and operands > x_bytes  # + T written
     operands, loads = count(C, 2, 1, H, W, torch.float32)['forward']['triton.output']
     assert 3 * x_bytes <= loads < operands  # x and m (two float32 moments per token) read

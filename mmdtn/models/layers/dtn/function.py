@@ -340,7 +340,7 @@ def watched(x):
     """Whether a call on tensor ``x`` must run as its custom ops: under a tracer (``torch.compile``,
     ``torch.export``, ``torch.jit.trace``), a dispatch mode (FLOP and byte counters, fake tensors)
     or on meta tensors. Otherwise the same Python runs as an autograd Function, without the custom
-    ops' dispatch (about 0.1 ms per forward and backward on a CPU)."""
+    ops' dispatch (README, "Backends": 0.98 against 0.56 ms of Python per Triton layer call)."""
     return (x.device.type == 'meta' or torch.compiler.is_compiling() or torch.jit.is_tracing()
             or torch._C._len_torch_dispatch_stack() > 0)
 

@@ -262,8 +262,7 @@ def _moments_kernel(x_ptr, centre_ptr, t_first_ptr, t_second_ptr, H, W, C, d, t_
     tokens and the mean of its square, or with ``SQUARE`` (no pooling, or the reference code's
     convention) the square of the first."""
     b, ci, start, Wp = _program_tile(H, W, POOL, CELLS)
-    centre = tl.load(centre_ptr + b * C + tl.arange(0, C_BLOCK), mask=tl.arange(0, C_BLOCK) < C,
-                     other=0.0)[None, :]
+    centre = _channel_row(centre_ptr + b * C, C, C_BLOCK)
     x_image = _image(x_ptr, b, H * W * C)
     j, real = _cell_columns(start, POOL, W, Wp, CELLS, S_BLOCK)
     first = tl.zeros([CELLS, C_BLOCK], tl.float32)
@@ -441,13 +440,11 @@ def token_gradients(g, x, centre, m_first, m_second, ratios, weight, eps, n_var,
 
 @functools.lru_cache(maxsize=None)
 def _token_gradients_spec(C, pool):
-    """Tiles of half the cells of :func:`_cells` (the pass holds six more token tensors, its sums
-    for the parameters: compiled for sm_90 without spills), CELLS_PER_PROGRAM cells
+    """Tiles of the backward passes' cells (BACKWARD_SHARE), CELLS_PER_PROGRAM cells
     (TOKENS_PER_PROGRAM tokens without pooling) per program."""
-    share = BACKWARD_SHARE
-    cells = min(_cells(C, pool, share), CELLS_PER_PROGRAM)
+    cells = min(_cells(C, pool, BACKWARD_SHARE), CELLS_PER_PROGRAM)
     tiles = (CELLS_PER_PROGRAM if pool > 1 else TOKENS_PER_PROGRAM) // cells
-    constexprs, warps = _tiling(C, pool, share, TILES=max(1, tiles))
+    constexprs, warps = _tiling(C, pool, BACKWARD_SHARE, TILES=max(1, tiles))
     return _token_gradients_kernel, constexprs, warps
 
 
