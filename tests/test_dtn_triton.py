@@ -19,8 +19,11 @@ from test_dynamic_token_norm import dense_dtn, randomize, tokens
 from mmdtn import DynamicTokenNorm, set_dtn_backend
 from mmdtn.models.layers.dtn.backends import select_backend
 from mmdtn.models.layers.dtn.backends import triton as triton_backend
-from mmdtn.models.layers.dtn.backends import triton_band, triton_factors, triton_kernels
-from mmdtn.models.layers.dtn.backends.base import recording_launches
+from mmdtn.models.layers.dtn.backends import (triton_band, triton_factors, triton_kernels,
+                                              triton_ratios)
+from mmdtn.models.layers.dtn.backends.base import Backend, recording_launches
+from mmdtn.models.layers.dtn.function import TokenMoments
+from mmdtn.models.layers.dtn.gates import channel_ratios
 from mmdtn.models.layers.dtn.grid import TokenGrid
 from mmdtn.models.layers.dtn.positional import axis_factors, paper_coefficients
 
@@ -137,6 +140,26 @@ def test_traffic_with_pooling(backend_setting, C, hw, pool, heads):
         assert count.bytes / tokens - over_tokens <= products * moments, count.by_kernel
 
 
+def test_traffic_without_pooling(backend_setting):
+    """Without pooling (PVT-Tiny's stage-3 shape, float16 tokens, on meta tensors) T is never
+    stored: no moments pass, the products with P_x read the tokens. Forward moves x twice, y once
+    and four float32 cell tensors of two moments (u and m, each written and read once); backward
+    runs four band products, u and m once each and the two products backwards."""
+    C, H, W = 320, 50, 84
+    _, counts, x = traffic_on_meta(C, (H, W), 1, 5)
+    tokens, token_bytes, cell_bytes = x.shape[:2].numel(), C * 2, 2 * C * 4
+    forward, backward = counts
+    for count in counts:
+        assert 'triton.moments' not in count.by_kernel, count.by_kernel
+    assert forward.bytes / tokens <= 1.02 * (3 * token_bytes + 4 * cell_bytes), forward.by_kernel
+    from benchmark_norm import TrafficCounter  # looks inside the custom ops on meta tensors
+    norm = DynamicTokenNorm(C, 5).to('meta')
+    with TrafficCounter().counting(), recording_launches() as launches:
+        torch.autograd.grad(norm(x, (H, W)).sum(), x)
+    names = [k.name for k in launches]
+    assert names.count('triton.band_matmul') == 6 and 'triton.moments' not in names, names
+
+
 def test_kernel_loads_counts_what_the_interpreted_kernels_load(backend_setting):
     """tools/analysis/kernel_loads.py adds up the bytes every load of the interpreted kernels asks
     for: the moments pass with pooling loads every token once (and the centre once per program);
@@ -185,6 +208,32 @@ def test_factors_in_one_launch_equal_the_pytorch_formulation(heads, rows, cols):
         assert error <= max(4 * pytorch_error, 1e-6 * want.abs().max()), (error, pytorch_error)
 
 
+@pytest.mark.parametrize('layernorm', [False, True])
+@pytest.mark.parametrize('heads,d', [(3, 5), (2, 300), (1, 1)])
+def test_channel_ratios_in_one_launch_equal_the_pytorch_formulation(layernorm, heads, d):
+    """The ratios (4, C) from the gates, one launch forward and one backward, equal
+    gates.channel_ratios to float32 rounding, and so do the gates' gradients (summed over more
+    channels than a program's block for d = 300), for logits and for distances from LayerNorm:
+    at 0 (LayerNorm exactly), below and above tanh's series threshold, and negative."""
+    torch.manual_seed(d)
+    gates = [3 * torch.randn(heads), torch.randn(heads)]
+    gates[0][0], gates[1][-1] = 0.0, -0.05
+    gates = [g.to(DEVICE).requires_grad_() for g in gates]
+    with recording_launches() as launches:
+        ratios = triton_ratios.channel_ratios(*gates, d, layernorm)
+        grad = torch.linspace(-1.0, 2.0, ratios.numel(), device=DEVICE).view_as(ratios)
+        kernel_grads = torch.autograd.grad((ratios * grad).sum(), gates)
+    assert [k.name for k in launches] == ['triton.channel_ratios',
+                                          'triton.channel_ratios_backward']
+    expected = channel_ratios(*gates, d, layernorm, torch.float32)
+    assert torch.allclose(ratios, expected, rtol=3e-7, atol=1e-7)
+    assert ratios.dtype == torch.float32 and ratios.shape == (4, heads * d)
+    if layernorm:
+        assert ratios[1, :d].eq(0).all() and ratios[0, :d].eq(1).all()  # LayerNorm exactly
+    for a, b in zip(kernel_grads, torch.autograd.grad((expected * grad).sum(), gates)):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6 * b.abs().max().item())
+
+
 @pytest.mark.parametrize('L,N,group', [(40, 300, 2), (9, 600, 1)])
 def test_band_products_equal_dense_products(L, N, group):
     """band_matmul (P X and P^T X) and band_outer (A X^T where P is nonzero, 0 elsewhere, summed
@@ -207,6 +256,25 @@ def test_band_products_equal_dense_products(L, N, group):
     G = triton_band.band_outer(P, A, X, group).cpu()
     ref = torch.bmm(A.cpu(), X.cpu().transpose(1, 2)) * (dense != 0)
     assert torch.allclose(G, ref.view(3, group, L, L).sum(1), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize('B,H,W,C,heads', [(2, 5, 19, 12, 3), (1, 1, 1, 4, 1), (3, 7, 4, 10, 5)])
+def test_band_products_form_the_token_moments_where_they_read_them(B, H, W, C, heads):
+    """Without pooling T is not stored (TokenMoments): P_x T and the gradient of P_x formed from
+    float16 tokens, read directly, equal the same band products over T stored in float32."""
+    torch.manual_seed(W)
+    grid = TokenGrid(B, H, W, C, heads, 1)
+    x = torch.randn(B, H * W, C).half()
+    centre = x.float().mean(1).view(B, 1, 1, C) + 0.1
+    T = Backend().token_moments(x.float(), centre, grid).view(heads, W, -1)
+    p_x = axis_factors(paper_coefficients(heads), H, W)[1]
+    A = torch.randn(T.shape)
+    lazy = TokenMoments(x.to(DEVICE), centre.to(DEVICE), grid)
+    p_x, A, T = p_x.to(DEVICE), A.to(DEVICE), T.to(DEVICE)
+    assert torch.allclose(triton_band.band_matmul(p_x, lazy, 1),
+                          triton_band.band_matmul(p_x, T, 1), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(triton_band.band_outer(p_x, A, lazy, 1),
+                          triton_band.band_outer(p_x, A, T, 1), rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.parametrize('dtype,tol', [(torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
@@ -312,7 +380,8 @@ def test_kernels_compile_for_sm90_without_spills():
     rows = json.loads(out.stdout)
     kernels = {r['kernel'] for r in rows}
     assert kernels == {'_moments_kernel', '_output_kernel', '_token_gradients_kernel',
-                       '_input_gradient_kernel', '_factors_kernel', '_factors_backward_kernel',
+                       '_parameter_gradients_kernel', '_input_gradient_kernel', '_factors_kernel',
+                       '_factors_backward_kernel', '_ratios_kernel', '_ratios_backward_kernel',
                        '_band_matmul_kernel', '_band_outer_kernel'}
     for r in rows:
         assert r['arch'] == 90 and set(r) >= {'kernel', 'registers', 'spills', 'shared_bytes'}

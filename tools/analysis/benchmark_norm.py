@@ -91,7 +91,8 @@ class TrafficCounter(TorchDispatchMode):
             with self:
                 return inner(*args, **kwargs)
         out = func(*args, **kwargs)
-        if not func.is_view and func._opname not in self.ALLOCATIONS:
+        computes = any(torch.is_tensor(t) for t in tree_leaves(out))  # not promote_types
+        if computes and not func.is_view and func._opname not in self.ALLOCATIONS:
             moved = sum(t.numel() * t.element_size()
                         for t in tree_leaves((args, kwargs, out)) if torch.is_tensor(t))
             self.launches += 1

@@ -34,7 +34,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import mmdtn  # noqa: E402,F401
 from mmdtn import DynamicTokenNorm  # noqa: E402
-from mmdtn.models.layers.dtn.backends import triton_band, triton_factors  # noqa: E402
+from mmdtn.models.layers.dtn.backends import (  # noqa: E402
+    triton_band, triton_factors, triton_ratios)
 from mmdtn.models.layers.dtn.backends.triton_kernels import (  # noqa: E402
     TOKEN_POINTERS, specializations)
 
@@ -135,7 +136,8 @@ def main():
     conventions = [False, True] if args.reference_compat else [False]
     specs = [spec for C, pool in sorted(layers) for square in conventions
              for spec in specializations(C, pool, square)]
-    specs += triton_factors.specializations() + triton_band.specializations()
+    specs += (triton_factors.specializations() + triton_ratios.specializations() +
+              triton_band.specializations())
     jobs = {}
     for kernel, constexprs, warps in specs:
         for dtype in args.dtypes:

@@ -34,9 +34,10 @@ from ..reference_compat import StatisticsConvention
 from .flops import dtn_flops
 from .grid import TokenGrid
 
-__all__ = ['no_autocast', 'TokenStatistics', 'Saved', 'Gradients', 'dtn_forward', 'dtn_backward',
-           'inter_token_statistics', 'ln_statistics', 'ln_gradient', 'define_traced_function',
-           'define_custom_ops', 'watched', 'CUSTOM_OP_IMPLEMENTATIONS']
+__all__ = ['no_autocast', 'TokenStatistics', 'TokenMoments', 'Saved', 'Gradients', 'dtn_forward',
+           'dtn_backward', 'inter_token_statistics', 'ln_statistics', 'ln_gradient',
+           'define_traced_function', 'define_custom_ops', 'define_parameter_op', 'watched',
+           'CUSTOM_OP_IMPLEMENTATIONS']
 
 
 #: Whether autocast exists on a device type (not on 'meta'), asked once per type outside of
@@ -74,6 +75,18 @@ class TokenStatistics:
 
 
 @dataclass
+class TokenMoments:
+    """T of :func:`moments` without pooling, not stored: x - centre and its square, column-major
+    (heads, W, 2, B, H, d), from the tokens ``x`` (B, N, C) and the ``centre`` (B, 1, 1, C). For a
+    backend whose factors form T wherever they read it (the Triton backend's): T is four times
+    the bytes of 16-bit tokens."""
+
+    x: Tensor
+    centre: Tensor
+    grid: TokenGrid
+
+
+@dataclass
 class Saved:
     """What the backward pass keeps besides the inputs: the per-token statistics (None for a
     backend that forms Eq. 2 again wherever it reads a token: ``keeps_token_statistics``) and the
@@ -107,13 +120,10 @@ class Saved:
     def fake_tensors(x, grid, dtype, token_statistics=True):
         """Empty tensors of the shapes :meth:`tensors` has for ``grid`` (fake implementations);
         ``token_statistics``: whether the backend keeps Eq. 2 per token."""
-        B, N, C, heads, d, Hp, Wp = grid.B, grid.N, grid.C, grid.heads, grid.d, grid.Hp, grid.Wp
-        cells = (heads, Wp, 2, B, Hp, d), (heads, 2, B, Hp, Wp, d)
-        if not grid.pooled:
-            cells = (0, ), (0, )
-        tokens = (B, N, 1) if token_statistics else (0, )
+        cells = (grid.column_major, grid.head_major) if grid.pooled else ((0, ), (0, ))
+        tokens = (grid.B, grid.N, 1) if token_statistics else (0, )
         return [x.new_empty(tokens, dtype=dtype), x.new_empty(tokens, dtype=dtype),
-                x.new_empty(B, 1, 1, C, dtype=dtype), x.new_empty(cells[0], dtype=dtype),
+                x.new_empty(grid.B, 1, 1, grid.C, dtype=dtype), x.new_empty(cells[0], dtype=dtype),
                 x.new_empty(cells[1], dtype=dtype)]
 
 
@@ -167,13 +177,14 @@ def _backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convent
     if backend.fuses_products(x, grid, p_x):
         dx, grad_p_y, grad_p_x, sums = backend.fused_backward(g, x, saved, p_y, p_x, ratios,
                                                               weight, eps, n_var, grid)
-        return Gradients(dx, grad_p_y, grad_p_x, *parameter_gradients(sums))
+        return Gradients(dx, grad_p_y, grad_p_x, *backend.parameter_gradients(sums))
     factor_y, factor_x = backend.factor(p_y), backend.factor(p_x)
     if grid.pooled:
         T, m = saved.moments, saved.products
-    else:  # T = (x - centre, its square) and m recomputed
+        u = row_products(T, factor_x, grid)
+    else:  # T = (x - centre, its square), u and m recomputed
         T = backend.token_moments(x, saved.centre, grid)
-        m = positional_products(T, factor_y, factor_x, grid)[1]
+        u, m = positional_products(T, factor_y, factor_x, grid)
 
     # pass 1: with D1 = g w rstd (= -dL/dmu) and D2 = D1 xhat rstd (= -2 dL/dvar) per token and
     # channel, dL/dm of every cell and the sums over the tokens for the parameters; ``tokens``
@@ -182,7 +193,9 @@ def _backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convent
 
     # the positional products backwards: dL/dm -> dL/dP_y, dL/du -> dL/dP_x, dL/dT; the
     # temporaries, each of T's size, are dropped as soon as they are used
-    grad_p_y, du = rows_backward(dm, row_products(T, factor_x), factor_y, grid)
+    grad_p_y = factor_y.outer(by_rows(dm, grid), by_rows(u, grid))
+    del u
+    du = rows_backward(dm, factor_y, grid)
     del dm
     grad_p_x, dT = columns_backward(du, T, factor_x, grid)
     del du
@@ -195,7 +208,7 @@ def _backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convent
     # tokens of the cell and beta, alpha the gradient of Eq. 2 (see ln_gradient)
     dx = backend.input_gradient(tokens, g, x, saved, m, ratios, weight, eps, n_var, d_first,
                                 d_second, grid)
-    return Gradients(dx, grad_p_y, grad_p_x, *parameter_gradients(sums))
+    return Gradients(dx, grad_p_y, grad_p_x, *backend.parameter_gradients(sums))
 
 
 def moments(stats, grid):
@@ -209,42 +222,48 @@ def moments(stats, grid):
     return T.contiguous()
 
 
-def row_products(T, factor_x):
+def by_columns(T, grid):
+    """T as matrices (heads, Wp, 2 * B * Hp * d) for the products with P_x; a TokenMoments as it
+    is."""
+    return T if isinstance(T, TokenMoments) else T.view(grid.heads, grid.Wp, -1)
+
+
+def row_products(T, factor_x, grid):
     """u = P_x^h T along every row of cells, head-major (heads, 2, B, Hp, Wp, d)."""
-    heads, Wp = T.shape[:2]
-    return factor_x.matmul(T.view(heads, Wp, -1), layout=(T.shape, (0, 2, 3, 4, 1, 5)))
+    return factor_x.matmul(by_columns(T, grid), layout=(grid.column_major, (0, 2, 3, 4, 1, 5)))
 
 
 def positional_products(T, factor_y, factor_x, grid, variance=True):
     """u = P_x T and m = P_y u = P^h T (Eq. 5), both head-major. With pooling and ``variance``,
     m's second slot is turned into the inter-token variance P T_1 - (P T_0)^2 (clamped at 0);
     otherwise it keeps the raw second moment, and the passes over the tokens form the variance."""
-    u = row_products(T, factor_x)
-    Hp, Wp, d = grid.Hp, grid.Wp, grid.d
-    m = factor_y.matmul(u.view(-1, Hp, Wp * d)).view(u.shape)
+    u = row_products(T, factor_x, grid)
+    m = factor_y.matmul(by_rows(u, grid)).view(u.shape)
     if grid.pooled and variance:  # in place: m is this function's own tensor
         first, second = m.select(1, 0), m.select(1, 1)  # single views: in-place is traceable
         second.addcmul_(first, first, value=-1).clamp_min_(0)
     return u, m
 
 
-def rows_backward(dm, u, factor_y, grid):
-    """m = P_y u backwards: the gradient of P_y and dL/du, column-major (heads, Wp, ...), from
-    dL/dm (head-major, with respect to the raw moments)."""
-    heads, B, Hp, Wp, d = grid.heads, grid.B, grid.Hp, grid.Wp, grid.d
-    dm_rows = dm.view(-1, Hp, Wp * d)
-    grad_p_y = factor_y.outer(dm_rows, u.view(-1, Hp, Wp * d))
-    del u
-    du = factor_y.matmul(dm_rows, transpose=True,
-                         layout=((heads, 2, B, Hp, Wp, d), (0, 4, 1, 2, 3, 5)))
-    return grad_p_y, du.view(heads, Wp, -1)
+def by_rows(t, grid):
+    """A head-major cell tensor as matrices (heads * 2 * B, Hp, Wp * d): the products with P_y."""
+    return t.view(-1, grid.Hp, grid.Wp * grid.d)
+
+
+def rows_backward(dm, factor_y, grid):
+    """m = P_y u backwards: dL/du, column-major (heads, Wp, ...), from dL/dm (head-major, with
+    respect to the raw moments). The gradient of P_y is ``factor_y.outer(by_rows(dm),
+    by_rows(u))``."""
+    du = factor_y.matmul(by_rows(dm, grid), transpose=True,
+                         layout=(grid.head_major, (0, 4, 1, 2, 3, 5)))
+    return du.view(grid.heads, grid.Wp, -1)
 
 
 def columns_backward(du, T, factor_x, grid):
-    """u = P_x T backwards: the gradient of P_x and dL/dT (T's layout) from the column-major
-    dL/du."""
-    grad_p_x = factor_x.outer(du, T.view(grid.heads, grid.Wp, -1))
-    return grad_p_x, factor_x.matmul(du, transpose=True).view(T.shape)
+    """u = P_x T backwards: the gradient of P_x and dL/dT (column-major, as T) from the
+    column-major dL/du."""
+    grad_p_x = factor_x.outer(du, by_columns(T, grid))
+    return grad_p_x, factor_x.matmul(du, transpose=True).view(grid.column_major)
 
 
 def ln_statistics(x, n_var):
@@ -343,6 +362,65 @@ def watched(x):
     ops' dispatch (README, "Backends": 0.98 against 0.56 ms of Python per Triton layer call)."""
     return (x.device.type == 'meta' or torch.compiler.is_compiling() or torch.jit.is_tracing()
             or torch._C._len_torch_dispatch_stack() > 0)
+
+
+def define_parameter_op(name, forward, backward, fake, fake_backward, save, tensors):
+    """A differentiable operation on a layer's small parameter tensors that compiled kernels run
+    (the Triton backend's positional factors and channel ratios): the ``torch.library`` custom
+    ops ``mmdtn::<name>`` and ``mmdtn::<name>_backward``, with fake implementations and registered
+    autograd, where :func:`watched` says so; in eager calls the same Python in an autograd
+    Function.
+
+    Args:
+        forward: ``(*tensors, *options) -> output(s)``, annotated (the custom op's schema).
+        backward: ``(*saved, *output gradients, *options) -> gradients of the tensors``, annotated;
+            an output that took no part in the loss has a gradient of zeros.
+        fake, fake_backward: their fake implementations.
+        save: ``(inputs, output) -> tensors backward needs``.
+        tensors: how many leading arguments are tensors.
+
+    Returns:
+        callable: ``apply(*tensors, *options)``.
+    """
+    names = f'mmdtn::{name}', f'mmdtn::{name}_backward'
+    op = torch.library.custom_op(names[0], mutates_args=())(forward)
+    op_backward = torch.library.custom_op(names[1], mutates_args=())(backward)
+    op.register_fake(fake)
+    op_backward.register_fake(fake_backward)
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*save(inputs, output))
+        outputs = output if isinstance(output, (tuple, list)) else [output]
+        ctx.outputs = [(o.shape, o.dtype, o.device) for o in outputs]
+        ctx.options = inputs[tensors:]
+
+    def differentiate(ctx, *grads, run=op_backward):
+        grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()
+                 for g, (shape, dtype, device) in zip(grads, ctx.outputs)]
+        result = run(*ctx.saved_tensors, *grads, *ctx.options)
+        result = [result] if torch.is_tensor(result) else result
+        return (*result, *([None] * len(ctx.options)))
+
+    op.register_autograd(differentiate, setup_context=setup_context)
+    CUSTOM_OP_IMPLEMENTATIONS.update(zip(names, (forward, backward)))
+
+    class Eager(torch.autograd.Function):
+
+        @staticmethod
+        def forward(ctx, *args):
+            output = forward(*args)
+            setup_context(ctx, args, output)
+            return output
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, *grads):
+            return differentiate(ctx, *grads, run=backward)
+
+    def apply(*args):
+        return op(*args) if watched(args[0]) else Eager.apply(*args)
+
+    return apply
 
 
 def define_custom_ops(backend, name):

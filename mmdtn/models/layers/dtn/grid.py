@@ -90,6 +90,16 @@ class TokenGrid:
         return up.reshape(self.B, self.N, k)
 
     # ---------------------------------------------------------------- layouts of the products
+    @property
+    def column_major(self):
+        """Shape of the moments T and their gradient: (heads, Wp, 2, B, Hp, d)."""
+        return (self.heads, self.Wp, 2, self.B, self.Hp, self.d)
+
+    @property
+    def head_major(self):
+        """Shape of the products u, m and their gradients: (heads, 2, B, Hp, Wp, d)."""
+        return (self.heads, 2, self.B, self.Hp, self.Wp, self.d)
+
     def split(self, t):
         """(..., C) -> (..., heads, d) view."""
         return t.view(*t.shape[:-1], self.heads, self.d)

@@ -1,25 +1,18 @@
 """DynamicTokenNorm, the module: parameters, initialisation (Algorithm 1), input checks, the dtype
 policy and the analysis helpers. The math lives in :mod:`.function` and the backends."""
-import math
-
 import torch
 from torch import nn
 
 from ..reference_compat import PAPER_CONVENTION, REFERENCE_CONVENTION, group_rms_normalize
 from .backends import select_backend
 from .function import inter_token_statistics, no_autocast
+from .gates import (LAYERNORM_GATE_LOGIT, channel_ratios, distance_to_logit, logit_to_distance,
+                    share_of_distance)
 from .grid import TokenGrid
 from .positional import axis_factors, paper_coefficients, positional_matrix
 
 __all__ = ['DynamicTokenNorm', 'LAYERNORM_GATE_LOGIT', 'DTN_INITS', 'GATE_PARAMETERS',
            'DTN_ONLY_PARAMETERS']
-
-#: Largest gate logit a distance from LayerNorm converts to, the one that stands for lambda = 1:
-#: 1 - sigmoid(40) = 4e-18, so that a layer loaded with it equals LayerNorm to < 1e-5 even for tokens
-#: far quieter than their neighbours (the output differs by about (1 - lambda) * var_it / var_ln).
-#: A gate of ``init='layernorm'`` at LayerNorm (lambda = 1 exactly) loads as this logit into a
-#: layer of ``init='paper'``.
-LAYERNORM_GATE_LOGIT = 40.0
 
 #: The initialisations of DynamicTokenNorm (its ``init`` argument).
 DTN_INITS = ('paper', 'layernorm')
@@ -35,27 +28,6 @@ GATE_PARAMETERS = {
 #: ``init`` and the positional coefficients a^h (Eq. 6). An LN checkpoint lacks them, and the
 #: configs give them no weight decay (configs/_base_/dtn_no_decay.py, pinned by a test).
 DTN_ONLY_PARAMETERS = GATE_PARAMETERS['paper'] + GATE_PARAMETERS['layernorm'] + ('pos_coef', )
-
-
-def _share_of_distance(distance):
-    """1 - lambda = tanh|u| of the gates of ``init='layernorm'`` (u: distance from LayerNorm).
-
-    |u| is taken with derivative +1 at u = 0, so that a gate at LayerNorm receives the full
-    gradient of the loss with respect to 1 - lambda."""
-    return torch.tanh(torch.where(distance < 0, -distance, distance))
-
-
-def _distance_to_logit(distance):
-    """The logit of lambda = 1 - tanh|u|, log((1 - tanh|u|) / tanh|u|), computed in float64 and
-    clipped to +-:data:`LAYERNORM_GATE_LOGIT` (u = 0, lambda = 1, becomes that logit)."""
-    logit = math.log(2.0) - torch.log(torch.expm1(2 * distance.double().abs()))
-    return logit.clamp(-LAYERNORM_GATE_LOGIT, LAYERNORM_GATE_LOGIT).to(distance.dtype)
-
-
-def _logit_to_distance(logit):
-    """The distance u >= 0 with 1 - tanh(u) = sigmoid(logit): u = log(1 + 2 exp(-logit)) / 2."""
-    clipped = logit.double().clamp(-LAYERNORM_GATE_LOGIT, LAYERNORM_GATE_LOGIT)
-    return (0.5 * torch.log1p(2 * torch.exp(-clipped))).to(logit.dtype)
 
 
 class DynamicTokenNorm(nn.Module):
@@ -166,7 +138,7 @@ class DynamicTokenNorm(nn.Module):
     def gate_logits(self):
         """The logits of (lambda_m, lambda_v), shape (num_heads,) each, whatever ``init``."""
         if self.init == 'layernorm':
-            return tuple(_distance_to_logit(gate) for gate in self.gates)
+            return tuple(distance_to_logit(gate) for gate in self.gates)
         return self.gates
 
     @property
@@ -246,8 +218,8 @@ class DynamicTokenNorm(nn.Module):
             xc = x if x.dtype in backend.input_dtypes else x.to(dtype)
             xc = self._prepare(xc).contiguous()
             p_y, p_x = self.axis_matrices(hw_shape, dtype, backend)
-            y = backend.apply(xc, p_y, p_x, self._channel_ratios(dtype), weight, bias, grid,
-                              self.eps, self.convention)
+            ratios = self._channel_ratios(dtype, backend)
+            y = backend.apply(xc, p_y, p_x, ratios, weight, bias, grid, self.eps, self.convention)
         return y.to(x.dtype)
 
     # ------------------------------------------------------------------ internals
@@ -281,22 +253,14 @@ class DynamicTokenNorm(nn.Module):
 
     def _lambda(self, gate):
         """lambda of a gate parameter: sigmoid(logit), or 1 - tanh|u| with ``init='layernorm'``."""
-        return 1 - _share_of_distance(gate) if self.init == 'layernorm' else torch.sigmoid(gate)
+        return 1 - share_of_distance(gate) if self.init == 'layernorm' else torch.sigmoid(gate)
 
-    def _channel_ratios(self, dtype):
-        """Per-channel (lambda_mean, 1 - lambda_mean, lambda_var, 1 - lambda_var), shape (4, C).
-
-        1 - lambda is computed as sigmoid(-gate) (or tanh|u|) so that it stays accurate near
-        lambda = 1."""
+    def _channel_ratios(self, dtype, backend=None):
+        """Per-channel (lambda_mean, 1 - lambda_mean, lambda_var, 1 - lambda_var), shape (4, C),
+        formed by ``backend`` where given (:func:`.gates.channel_ratios`)."""
         d = self.num_features // self.num_heads
-        if self.init == 'layernorm':
-            shares = _share_of_distance(torch.stack(self.gates).to(dtype))
-            ratios = torch.stack([1 - shares[0], shares[0], 1 - shares[1], shares[1]])
-        else:
-            mean_gate, var_gate = self.gates
-            gates = torch.stack([mean_gate, -mean_gate, var_gate, -var_gate])
-            ratios = torch.sigmoid(gates.to(dtype))
-        return ratios.repeat_interleave(d, dim=1)
+        ratios = channel_ratios if backend is None else backend.channel_ratios
+        return ratios(*self.gates, d, self.init == 'layernorm', dtype)
 
     # ------------------------------------------------------------------ checkpoints: gates
     def adapt_gates(self, state_dict, prefix=''):
@@ -305,7 +269,7 @@ class DynamicTokenNorm(nn.Module):
 
         Called by ``load_state_dict``; loaders that compare keys before loading call it first."""
         other = 'paper' if self.init == 'layernorm' else 'layernorm'
-        convert = _logit_to_distance if self.init == 'layernorm' else _distance_to_logit
+        convert = logit_to_distance if self.init == 'layernorm' else distance_to_logit
         for theirs, mine in zip(GATE_PARAMETERS[other], self.gate_names):
             if prefix + mine not in state_dict and torch.is_tensor(state_dict.get(prefix + theirs)):
                 state_dict[prefix + mine] = convert(state_dict.pop(prefix + theirs))

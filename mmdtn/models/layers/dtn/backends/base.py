@@ -10,7 +10,8 @@ from typing import Optional
 
 import torch
 
-from ..function import Saved, TokenStatistics, moments
+from ..function import Saved, TokenStatistics, moments, parameter_gradients
+from ..gates import channel_ratios
 from ..positional import axis_factors
 
 __all__ = ['Backend', 'DenseFactor', 'per_head', 'KernelLaunch', 'recording_launches',
@@ -56,6 +57,11 @@ class Backend:
         itself."""
         return axis_factors(pos_coef, rows, cols)
 
+    def channel_ratios(self, mean_gate, var_gate, d, layernorm, dtype):
+        """The per-channel ratios (4, C) from the gate parameters: :func:`..gates.channel_ratios`
+        unless the backend forms them itself."""
+        return channel_ratios(mean_gate, var_gate, d, layernorm, dtype)
+
     def token_moments(self, x, centre, grid):
         """Without pooling, the moments T of :func:`..function.moments` (x - centre and its
         square, column-major) from the tokens and the centre (backward recomputes them)."""
@@ -73,9 +79,15 @@ class Backend:
         raise NotImplementedError
 
     def token_gradients(self, g, x, saved, m, ratios, weight, eps, n_var, grid):
-        """Backward pass 1: (what pass 2 takes from it, the sums (6, C) for the parameters,
-        dL/dm head-major); see dtn_backward."""
+        """Backward pass 1: (what pass 2 takes from it, the sums for the parameters (see
+        :meth:`parameter_gradients`), dL/dm head-major); see dtn_backward."""
         raise NotImplementedError
+
+    def parameter_gradients(self, sums):
+        """The gradients of the ratios (4, C), weight and bias from pass 1's sums for the
+        parameters: :func:`..function.parameter_gradients` of the sums (6, C) unless the backend
+        gives them in another form and adds them up itself."""
+        return parameter_gradients(sums)
 
     def input_gradient(self, tokens, g, x, saved, m, ratios, weight, eps, n_var, d_first,
                        d_second, grid):

@@ -10,27 +10,32 @@ Four kernels read and write the tokens: the moments T of the cells (x read once)
 (x read, y written), and backward the token gradients (g and x read, dL/dm of the cells written)
 and the input gradient (g and x read, dx written). Between them the positional products run on
 the cell grid, one axis at a time (:mod:`..function`), in float32, over the nonzero band of
-each factor (:mod:`.triton_band`).
+each factor (:mod:`.triton_band`). Without pooling T (x - centre and its square, four times the
+bytes of 16-bit tokens) is never stored: the products with P_x form it from the tokens where they
+read it (:class:`..function.TokenMoments`), and the moments kernel does not run.
 
 The kernels run inside the ``torch.library`` custom ops ``mmdtn::dtn_triton_forward`` and
 ``mmdtn::dtn_triton_backward``, which ``torch.compile`` and ``torch.export`` record as single
 operations; the positional factors P_y and P_x are formed from the coefficients a^h in
-``mmdtn::dtn_triton_axis_factors`` (:mod:`.triton_factors`), one launch forward and one backward.
+``mmdtn::dtn_triton_axis_factors`` (:mod:`.triton_factors`) and the per-channel ratios from the
+gates in ``mmdtn::dtn_triton_channel_ratios`` (:mod:`.triton_ratios`), one launch forward and one
+backward each.
 """
 import os
 
 import torch
 
-from ..function import TokenStatistics, define_custom_ops
+from ..function import TokenMoments, TokenStatistics, define_custom_ops
 from .base import Backend
 
 try:
     from . import triton_factors as factors
     from .triton_band import BandFactor
     from . import triton_kernels as kernels
+    from . import triton_ratios as ratios
     _MISSING = None
 except ImportError as error:  # pragma: no cover - PyTorch builds without triton
-    factors, kernels, BandFactor = None, None, None
+    factors, kernels, ratios, BandFactor = None, None, None, None
     _MISSING = f'triton cannot be imported ({error})'
 
 __all__ = ['TritonBackend', 'interpreting']
@@ -71,11 +76,16 @@ class TritonBackend(Backend):
     def factor(self, p):
         return BandFactor(p)
 
+    def channel_ratios(self, mean_gate, var_gate, d, layernorm, dtype):
+        return ratios.channel_ratios(mean_gate, var_gate, d, layernorm)  # float32: supports()
+
     def token_moments(self, x, centre, grid):
-        return kernels.moments(x, centre, grid)
+        return TokenMoments(x, centre, grid)  # formed by the band products where they read it
 
     def statistics(self, x, grid, convention):
         centre = kernels.sample_centre(x)
+        if not grid.pooled:
+            return TokenStatistics(None, None, centre, None, None, TokenMoments(x, centre, grid))
         T = kernels.moments(x, centre, grid, convention.square_of_pooled)
         return TokenStatistics(None, None, centre, None, None, T)
 
@@ -92,7 +102,10 @@ class TritonBackend(Backend):
         dm, sums = kernels.token_gradients(g, x, saved.centre, *self._products(m, grid),
                                            ratios.contiguous(), weight.contiguous(), eps, n_var,
                                            grid)
-        return None, sums, dm  # pass 2 forms D1 again
+        return None, sums, dm  # pass 2 forms D1 again; sums per program
+
+    def parameter_gradients(self, sums):
+        return kernels.parameter_gradients(sums)
 
     def input_gradient(self, tokens, g, x, saved, m, ratios, weight, eps, n_var, d_first,
                        d_second, grid):

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..function import TokenMoments
 from .base import DenseFactor
 from .triton_kernels import _launch
 
@@ -68,45 +69,93 @@ def _weights(p_head, rows, cols, L, hi, TRANSPOSE: tl.constexpr):
         return tl.load(p_head + rows[:, None] * L + cols[None, :], mask=mask, other=0.0)
 
 
-@triton.jit(do_not_specialize=['L', 'N', 'group'])
-def _band_matmul_kernel(p_ptr, in_ptr, out_ptr, L, N, group, TRANSPOSE: tl.constexpr,
-                        ROWS: tl.constexpr, BAND: tl.constexpr, BLOCK_N: tl.constexpr,
-                        SPAN_BLOCK: tl.constexpr):
+@triton.jit
+def _token_indices(x_ptr, centre_ptr, head, n, mask, B, H, W, C, d):
+    """Where the entries of T = (x - centre, (x - centre)^2) (:class:`..function.TokenMoments`;
+    no pooling, a cell is a token) of head ``head`` at the indices ``n`` (1-D) of (slot, image,
+    row, channel of the head) come from, given the tokens x (B, H W, C) and the centre (B, C): the
+    pointers to their tokens in column 0, their centre and whether they are the second slot."""
+    channel = head * d + n % d
+    image_row = n // d
+    b = (image_row // H) % B
+    first_token = (b * H + image_row % H).to(tl.int64) * W * C + channel
+    centre = tl.load(centre_ptr + b * C + channel, mask=mask, other=0.0)
+    return x_ptr + first_token, centre, image_row >= B * H
+
+
+@triton.jit
+def _token_moments(tokens, centre, second, col, C, mask):
+    """Entries of T in token column(s) ``col`` from :func:`_token_indices` (broadcast); 0 where
+    not ``mask``."""
+    diff = tl.load(tokens + col * C, mask=mask, other=0.0).to(tl.float32) - centre
+    return tl.where(mask, tl.where(second, diff * diff, diff), 0.0)
+
+
+@triton.jit(do_not_specialize=['L', 'N', 'group', 'B', 'H', 'C', 'd'])
+def _band_matmul_kernel(p_ptr, in_ptr, x_ptr, centre_ptr, out_ptr, L, N, group, B, H, C, d,
+                        TRANSPOSE: tl.constexpr, TOKENS: tl.constexpr, ROWS: tl.constexpr,
+                        BAND: tl.constexpr, BLOCK_N: tl.constexpr, SPAN_BLOCK: tl.constexpr,
+                        STAGES: tl.constexpr):
     """Rows of block ``rb`` and columns of block ``nb`` of Y[k] = P[h] X[k] (P[h]^T X[k]): the
-    band in blocks of BAND columns of P, each a matrix product (float32 multiply-adds)."""
+    band in blocks of BAND columns of P, each a matrix product (float32 multiply-adds). With
+    TOKENS, X is the T of the tokens x (group 1)."""
     k, rb, nb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     p_head = p_ptr + (k // group).to(tl.int64) * L * L
     rows = rb * ROWS + tl.arange(0, ROWS)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     lo, hi = _band(p_head, rows, L, TRANSPOSE, ROWS, SPAN_BLOCK)
-    x_mat = in_ptr + k.to(tl.int64) * L * N
+    if TOKENS:
+        tokens, centre, second = _token_indices(x_ptr, centre_ptr, k, n, n < N, B, H, L, C, d)
+    else:
+        x_mat = in_ptr + k.to(tl.int64) * L * N
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    for start in range(lo, hi, BAND):
+    for start in tl.range(lo, hi, BAND, num_stages=STAGES):
         cols = start + tl.arange(0, BAND)
         weights = _weights(p_head, rows, cols, L, hi, TRANSPOSE)
-        x_rows = tl.load(x_mat + cols[:, None] * N + n[None, :],
-                         mask=(cols[:, None] < hi) & (n[None, :] < N), other=0.0)
+        mask = (cols[:, None] < hi) & (n[None, :] < N)
+        if TOKENS:
+            x_rows = _token_moments(tokens[None, :], centre[None, :], second[None, :],
+                                    cols[:, None], C, mask)
+        else:
+            x_rows = tl.load(x_mat + cols[:, None] * N + n[None, :], mask=mask, other=0.0)
         acc += tl.dot(weights, x_rows, input_precision='ieee')
     tl.store(out_ptr + k.to(tl.int64) * L * N + rows[:, None] * N + n[None, :], acc,
              mask=(rows[:, None] < L) & (n[None, :] < N))
 
 
+def _operand(x):
+    """A product's right operand x: float32 (matrices, L, N) contiguous, or the T of a
+    TokenMoments. Returns its shape, whether it is T formed from tokens, the tensors it reads and
+    the kernels' arguments in_ptr, x_ptr, centre_ptr, B, H, C, d."""
+    if isinstance(x, TokenMoments):
+        grid = x.grid
+        shape = (grid.heads, grid.W, 2 * grid.B * grid.H * grid.d)
+        centre = x.centre.contiguous()
+        return (shape, True, [x.x, centre],
+                (x.x, x.x, centre, grid.B, grid.H, grid.C, grid.d))
+    x = x.contiguous()
+    return x.shape, False, [x], (x, x, x, 1, 1, 1, 1)
+
+
 def band_matmul(p, x, group, transpose=False):
-    """P X, or P^T X with ``transpose``, for x (heads * group, L, N) contiguous float32."""
-    n, L, N = x.shape
-    y = torch.empty_like(x)
-    spec = _matmul_spec(transpose)
-    _launch('triton.band_matmul', spec, (n, -(-L // ROWS), -(-N // BLOCK_N)),
-            [p, x], [y], p, x, y, L, N, group)
+    """P X, or P^T X with ``transpose``, for x (heads * group, L, N) float32 or a TokenMoments
+    (group 1)."""
+    (n, L, N), tokens, reads, args = _operand(x)
+    y = torch.empty(n, L, N, dtype=torch.float32, device=p.device)
+    spec = _matmul_spec(transpose, tokens)
+    _launch('triton.band_matmul', spec, (n, -(-L // ROWS), -(-N // spec[1]['BLOCK_N'])),
+            [p, *reads], [y], p, args[0], args[1], args[2], y, L, N, group, *args[3:])
     return y
 
 
-@triton.jit(do_not_specialize=['L', 'K', 'group', 'matrices'])
-def _band_outer_kernel(p_ptr, a_ptr, b_ptr, out_ptr, L, K, group, matrices, ROWS: tl.constexpr,
+@triton.jit(do_not_specialize=['L', 'K', 'group', 'matrices', 'B', 'H', 'C', 'd'])
+def _band_outer_kernel(p_ptr, a_ptr, in_ptr, x_ptr, centre_ptr, out_ptr, L, K, group, matrices,
+                       B, H, C, d, TOKENS: tl.constexpr, ROWS: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPAN_BLOCK: tl.constexpr):
     """Chunk ``s`` of the sums G[k, i, j] = sum_c A[k, i, c] X[k, j, c] for rows i of block
     ``rb`` and the columns j where P[h, i, j] != 0, one column of the band at a time; 0 in the
-    other columns of the rows (every entry written)."""
+    other columns of the rows (every entry written). With TOKENS, X is the T of the tokens x
+    (group 1)."""
     k, rb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     p_head = p_ptr + (k // group).to(tl.int64) * L * L
     rows = rb * ROWS + tl.arange(0, ROWS)
@@ -116,8 +165,13 @@ def _band_outer_kernel(p_ptr, a_ptr, b_ptr, out_ptr, L, K, group, matrices, ROWS
     a = tl.load(a_ptr + mat + rows[:, None] * K + c[None, :],
                 mask=(rows[:, None] < L) & (c[None, :] < K), other=0.0)
     out = out_ptr + (s * matrices + k).to(tl.int64) * L * L + rows * L
+    if TOKENS:
+        tokens, centre, second = _token_indices(x_ptr, centre_ptr, k, c, c < K, B, H, L, C, d)
     for j in range(lo, hi):
-        x_row = tl.load(b_ptr + mat + j * K + c, mask=c < K, other=0.0)
+        if TOKENS:
+            x_row = _token_moments(tokens, centre, second, j, C, c < K)
+        else:
+            x_row = tl.load(in_ptr + mat + j * K + c, mask=c < K, other=0.0)
         weights = tl.load(p_head + rows * L + j, mask=rows < L, other=0.0)
         dots = tl.sum(a * x_row[None, :], axis=1)
         tl.store(out + j, tl.where(weights != 0, dots, 0.0), mask=rows < L)
@@ -130,13 +184,14 @@ def _band_outer_kernel(p_ptr, a_ptr, b_ptr, out_ptr, L, K, group, matrices, ROWS
 
 def band_outer(p, a, x, group):
     """A X^T where P is nonzero, 0 elsewhere, summed over the matrices of each head (heads, L, L),
-    for a and x (heads * group, L, K) contiguous float32."""
-    n, L, K = x.shape
+    for a (heads * group, L, K) contiguous float32 and x as a (float32, or a TokenMoments with
+    group 1)."""
+    (n, L, K), tokens, reads, args = _operand(x)
     chunks = -(-K // OUTER_BLOCK_K)
-    partial = torch.empty(chunks, n, L, L, dtype=torch.float32, device=x.device)
-    spec = _outer_spec()
-    _launch('triton.band_outer', spec, (n, -(-L // ROWS), chunks), [p, a, x], [partial],
-            p, a, x, partial, L, K, group, n)
+    partial = torch.empty(chunks, n, L, L, dtype=torch.float32, device=p.device)
+    spec = _outer_spec(tokens)
+    _launch('triton.band_outer', spec, (n, -(-L // ROWS), chunks), [p, a, *reads], [partial],
+            p, a, args[0], args[1], args[2], partial, L, K, group, n, *args[3:])
     return partial.view(chunks, -1, group, L, L).sum((0, 2))
 
 
@@ -144,23 +199,30 @@ class BandFactor(DenseFactor):
     """:class:`.base.DenseFactor` with the products over the nonzero band of P (float32)."""
 
     def _product(self, x, transpose):
-        return band_matmul(self.p.contiguous(), x.contiguous(), x.shape[0] // self.p.shape[0],
-                           transpose)
+        return band_matmul(self.p.contiguous(), x, self._group(x), transpose)
 
     def outer(self, a, x):
-        return band_outer(self.p.contiguous(), a.contiguous(), x.contiguous(),
-                          x.shape[0] // self.p.shape[0])
+        return band_outer(self.p.contiguous(), a.contiguous(), x, self._group(x))
+
+    def _group(self, x):
+        return 1 if isinstance(x, TokenMoments) else x.shape[0] // self.p.shape[0]
 
 
-def _matmul_spec(transpose):
-    return _band_matmul_kernel, dict(TRANSPOSE=transpose, ROWS=ROWS, BAND=BAND, BLOCK_N=BLOCK_N,
-                                     SPAN_BLOCK=SPAN_BLOCK), 4
+def _matmul_spec(transpose, tokens=False):
+    """With TOKENS, X's entries are formed in registers from a pointer each: half the columns per
+    program and the steps over the band not pipelined (255 registers a thread otherwise)."""
+    return _band_matmul_kernel, dict(TRANSPOSE=transpose, TOKENS=tokens, ROWS=ROWS, BAND=BAND,
+                                     BLOCK_N=BLOCK_N // 2 if tokens else BLOCK_N,
+                                     SPAN_BLOCK=SPAN_BLOCK, STAGES=1 if tokens else 3), 4
 
 
-def _outer_spec():
-    return _band_outer_kernel, dict(ROWS=ROWS, BLOCK_K=OUTER_BLOCK_K, SPAN_BLOCK=SPAN_BLOCK), 4
+def _outer_spec(tokens=False):
+    return _band_outer_kernel, dict(TOKENS=tokens, ROWS=ROWS, BLOCK_K=OUTER_BLOCK_K,
+                                    SPAN_BLOCK=SPAN_BLOCK), 4
 
 
 def specializations():
-    """(kernel, constexprs, num_warps) of the band products: the same for every shape."""
-    return [_matmul_spec(False), _matmul_spec(True), _outer_spec()]
+    """(kernel, constexprs, num_warps) of the band products: the same for every shape; with
+    TOKENS (no pooling) P_x T and the gradient of P_x read T's tokens."""
+    return [_matmul_spec(False), _matmul_spec(True), _matmul_spec(False, True), _outer_spec(),
+            _outer_spec(True)]

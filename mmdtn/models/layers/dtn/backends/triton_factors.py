@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..function import CUSTOM_OP_IMPLEMENTATIONS, watched
+from ..function import define_parameter_op
 from ..positional import truncation_cutoff
 from .triton_kernels import _launch
 
@@ -134,7 +134,7 @@ def specializations():
     return [_factors_spec(), _factors_backward_spec()]
 
 
-# ---------------------------------------------------------------------------- custom op
+# ---------------------------------------------------------------------------- the operation
 def run_factors(pos_coef: Tensor, rows: int, cols: int) -> tuple[Tensor, Tensor]:
     coef = pos_coef.contiguous()
     heads = coef.shape[0]
@@ -146,64 +146,32 @@ def run_factors(pos_coef: Tensor, rows: int, cols: int) -> tuple[Tensor, Tensor]
     return p_y, p_x
 
 
-def run_factors_backward(p_y: Tensor, p_x: Tensor, grad_y: Tensor, grad_x: Tensor) -> Tensor:
-    heads, rows, cols = p_y.shape[0], p_y.shape[-1], p_x.shape[-1]
-    grad_coef = p_y.new_empty(heads, 3)
-    _launch('triton.axis_factors_backward', _factors_backward_spec(), (heads, ),
+def run_factors_backward(p_y: Tensor, p_x: Tensor, grad_y: Tensor, grad_x: Tensor, rows: int,
+                         cols: int) -> Tensor:
+    grad_coef = p_y.new_empty(p_y.shape[0], 3)
+    _launch('triton.axis_factors_backward', _factors_backward_spec(), (p_y.shape[0], ),
             [p_y, p_x, grad_y, grad_x], [grad_coef], p_y, p_x, grad_y, grad_x, grad_coef, rows,
             cols)
     return grad_coef
 
 
-NAMES = 'mmdtn::dtn_triton_axis_factors', 'mmdtn::dtn_triton_axis_factors_backward'
-_factors = torch.library.custom_op(NAMES[0], mutates_args=())(run_factors)
-_factors_backward = torch.library.custom_op(NAMES[1], mutates_args=())(run_factors_backward)
-
-
-@_factors.register_fake
-def _(pos_coef, rows, cols):
+def _fake(pos_coef, rows, cols):
     heads = pos_coef.shape[0]
     return pos_coef.new_empty(heads, rows, rows), pos_coef.new_empty(heads, cols, cols)
 
 
-@_factors_backward.register_fake
-def _(p_y, p_x, grad_y, grad_x):
+def _fake_backward(p_y, p_x, grad_y, grad_x, rows, cols):
     return p_y.new_empty(p_y.shape[0], 3)
 
 
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*output)
-
-
-def _differentiate(ctx, grad_y, grad_x, backward=_factors_backward):
-    p_y, p_x = ctx.saved_tensors
-    grad_y = torch.zeros_like(p_y) if grad_y is None else grad_y.contiguous()
-    grad_x = torch.zeros_like(p_x) if grad_x is None else grad_x.contiguous()
-    return backward(p_y, p_x, grad_y, grad_x), None, None
-
-
-_factors.register_autograd(_differentiate, setup_context=_setup_context)
-CUSTOM_OP_IMPLEMENTATIONS.update(zip(NAMES, (run_factors, run_factors_backward)))
-
-
-class _EagerFactors(torch.autograd.Function):
-    """The custom op's Python in eager calls (:func:`..function.watched`)."""
-
-    @staticmethod
-    def forward(ctx, pos_coef, rows, cols):
-        factors = run_factors(pos_coef, rows, cols)
-        _setup_context(ctx, None, factors)
-        return factors
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_y, grad_x):
-        return _differentiate(ctx, grad_y, grad_x, run_factors_backward)
+#: ``(pos_coef, rows, cols) -> (P_y, P_x)``, differentiable: the ``torch.library`` custom op
+#: ``mmdtn::dtn_triton_axis_factors`` where traced (:func:`..function.define_parameter_op`).
+axis_factors_op = define_parameter_op('dtn_triton_axis_factors', run_factors,
+                                      run_factors_backward, _fake, _fake_backward,
+                                      lambda inputs, output: output, tensors=1)
 
 
 def axis_factors(pos_coef, rows, cols):
     """(P_y, P_x) of :func:`..positional.axis_factors` for float32 coefficients ``pos_coef``
     (heads, 3), in the Triton kernels of this module."""
-    if not watched(pos_coef):
-        return _EagerFactors.apply(pos_coef, rows, cols)
-    return _factors(pos_coef, rows, cols)
+    return axis_factors_op(pos_coef, rows, cols)

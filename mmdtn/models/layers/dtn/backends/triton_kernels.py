@@ -293,8 +293,7 @@ def moments(x, centre, grid, square_of_pooled=False):
     """T of :func:`..function.moments`, column-major (heads, Wp, 2, B, Hp, d) float32, from x and
     the centre (B, 1, 1, C)."""
     B, _, C = x.shape
-    T = torch.empty(grid.heads, grid.Wp, 2, B, grid.Hp, grid.d, dtype=torch.float32,
-                    device=x.device)
+    T = torch.empty(grid.column_major, dtype=torch.float32, device=x.device)
     first, second = (grid.from_column_major(T[:, :, k]) for k in range(2))
     spec = _moments_spec(C, grid.pool, square_of_pooled)
     programs = (B * grid.Hp, _cdiv(grid.Wp, spec[1]['CELLS']))
@@ -421,12 +420,11 @@ def _token_gradients_kernel(x_ptr, g_ptr, m_first_ptr, m_second_ptr, centre_ptr,
 
 
 def token_gradients(g, x, centre, m_first, m_second, ratios, weight, eps, n_var, grid):
-    """dL/dm, head-major (heads, 2, B, Hp, Wp, d) float32, and the sums (6, C) for the parameters
-    (see :func:`..function.parameter_gradients`), from g, x, the centre and the products m (as in
-    :func:`output`)."""
+    """dL/dm, head-major (heads, 2, B, Hp, Wp, d) float32, and every program's sums (programs, 6,
+    C) for the parameters (see :func:`parameter_gradients`), from g, x, the centre and the
+    products m (as in :func:`output`)."""
     B, _, C = x.shape
-    dm = torch.empty(grid.heads, 2, B, grid.Hp, grid.Wp, grid.d, dtype=torch.float32,
-                     device=x.device)
+    dm = torch.empty(grid.head_major, dtype=torch.float32, device=x.device)
     dm_first, dm_second = (grid.from_head_major(t) for t in dm.unbind(1))
     spec = _token_gradients_spec(C, grid.pool)
     programs = (B * grid.Hp, _cdiv(grid.Wp, spec[1]['CELLS'] * spec[1]['TILES']))
@@ -435,7 +433,54 @@ def token_gradients(g, x, centre, m_first, m_second, ratios, weight, eps, n_var,
             [g, x, m_first, m_second, centre, ratios, weight], [dm, partial], x, g, m_first,
             m_second, centre.contiguous(), ratios, weight, dm_first, dm_second, partial, grid.H,
             grid.W, C, grid.d, *_layout(m_first), float(eps), float(n_var))
-    return dm, partial.sum(0)
+    return dm, partial
+
+
+@triton.jit
+def _program_sum(partial_ptr, row, c, programs, C, BLOCK_P: tl.constexpr,
+                 BLOCK_C: tl.constexpr):
+    """Row ``row`` of the programs' sums (programs, 6, C) added up over the programs for channels
+    c, BLOCK_P programs at a time in a fixed order."""
+    total = tl.zeros([BLOCK_C], tl.float32)
+    for start in range(0, programs, BLOCK_P):
+        p = start + tl.arange(0, BLOCK_P)
+        at = (p[:, None] * 6 + row).to(tl.int64) * C + c[None, :]
+        mask = (p < programs)[:, None] & (c < C)[None, :]
+        total += tl.sum(tl.load(partial_ptr + at, mask=mask, other=0.0), axis=0)
+    return total
+
+
+@triton.jit(do_not_specialize=['programs', 'C'])
+def _parameter_gradients_kernel(partial_ptr, ratios_ptr, weight_ptr, bias_ptr, programs, C,
+                                BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Channels of block ``program_id(0)`` of the gradients of weight, bias and the ratios (4,
+    C) from the programs' sums of xhat g, g, mu_ln D1, var_ln D2, mu_it D1, var_it D2 (as
+    :func:`..function.parameter_gradients`)."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    inside = c < C
+    tl.store(weight_ptr + c, _program_sum(partial_ptr, 0, c, programs, C, BLOCK_P, BLOCK_C),
+             mask=inside)
+    tl.store(bias_ptr + c, _program_sum(partial_ptr, 1, c, programs, C, BLOCK_P, BLOCK_C),
+             mask=inside)
+    for k in tl.static_range(4):  # lambda_m, 1 - lambda_m: -(mu_ln, mu_it) D1; lambda_v, ...
+        row = 2 + (k % 2) * 2 + k // 2  # ... 1 - lambda_v: -(var_ln, var_it) D2 / 2
+        total = _program_sum(partial_ptr, row, c, programs, C, BLOCK_P, BLOCK_C)
+        tl.store(ratios_ptr + k * C + c, total * (-1.0 if k < 2 else -0.5), mask=inside)
+
+
+def parameter_gradients(partial):
+    """The gradients of the ratios (4, C), weight and bias (C, each its own tensor) from the
+    per-program sums (programs, 6, C) of :func:`token_gradients`: one launch."""
+    programs, _, C = partial.shape
+    ratios, weight, bias = (partial.new_empty(shape) for shape in ((4, C), (C, ), (C, )))
+    spec = _parameter_gradients_spec()
+    _launch('triton.parameter_gradients', spec, (_cdiv(C, spec[1]['BLOCK_C']), ), [partial],
+            [ratios, weight, bias], partial, ratios, weight, bias, programs, C)
+    return ratios, weight, bias
+
+
+def _parameter_gradients_spec():
+    return _parameter_gradients_kernel, dict(BLOCK_P=64, BLOCK_C=64), 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -524,5 +569,6 @@ def specializations(C, pool, square_of_pooled=False):
     backward, as (kernel, constexprs, num_warps): what a GPU compiles for it (the tokens' dtype
     aside). The image size is not part of it."""
     second = pool == 1 or not square_of_pooled
-    return [_moments_spec(C, pool, square_of_pooled), _output_spec(C, pool),
-            _token_gradients_spec(C, pool), _input_gradient_spec(C, pool, second)]
+    moments = [_moments_spec(C, pool, square_of_pooled)] if pool > 1 else []  # TokenMoments
+    return moments + [_output_spec(C, pool), _token_gradients_spec(C, pool),
+                      _parameter_gradients_spec(), _input_gradient_spec(C, pool, second)]
