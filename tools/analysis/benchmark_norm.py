@@ -269,16 +269,16 @@ def traffic_table(args, device, backends, progress):
     print(f'\nLaunches and bytes per layer, batch {args.batch}, {args.dtype} tokens, '
           f'{device.type} (PyTorch operations and compiled kernels, bytes of their operands; '
           '"on meta": counted on meta tensors)')
-    head = (f"{'stage':<28}{'layer':<20}{'fwd launches':>13}{'fwd MB':>9}{'x LN':>7}"
-            f"{'bwd launches':>13}{'bwd MB':>9}{'x LN':>7}")
+    head = (f"{'stage':<28}{'layer':<20}{'fwd launches':>13}{'fwd MB':>9}{'x LN':>9}"
+            f"{'bwd launches':>13}{'bwd MB':>9}{'x LN':>9}")
     print(head + '\n' + '-' * len(head))
     for (label, name), (fwd, bwd) in counts.items():
         ln_fwd, ln_bwd = counts[label, 'LN']
         where = dict(backends).get(name[4:]) if name.startswith('DTN ') else device
         shown = name + (' (on meta)' if str(where) == 'meta' else '')
         print(f'{label:<28}{shown:<20}{fwd.launches:>13}{fwd.bytes / 2**20:>9.1f}'
-              f'{fwd.bytes / ln_fwd.bytes:>6.2f}x{bwd.launches:>13}{bwd.bytes / 2**20:>9.1f}'
-              f'{bwd.bytes / ln_bwd.bytes:>6.2f}x')
+              f'{fwd.bytes / ln_fwd.bytes:>8.2f}x{bwd.launches:>13}{bwd.bytes / 2**20:>9.1f}'
+              f'{bwd.bytes / ln_bwd.bytes:>8.2f}x')
     return counts
 
 

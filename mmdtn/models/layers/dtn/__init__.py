@@ -2,6 +2,7 @@
 
 - :mod:`.reference`: the dense formulation, line by line against Eqs. 2 and 4-7 (the oracle);
 - :mod:`.positional`: P^h = softmax(R a^h) as its two axis factors (Eqs. 6-7);
+- :mod:`.gates`: the weight ratios lambda of Eq. 5, as logits or as distances from LayerNorm;
 - :mod:`.grid`: the token grid of one call and the layouts of its tensors;
 - :mod:`.function`: forward and backward over a backend's passes, differentiable and traceable;
 - :mod:`.backends`: where the passes run (``torch``, ``cpu``, ...) and how one is chosen;

@@ -12,8 +12,10 @@ Every pass takes a tile of cells of one cell row (without pooling a cell is a to
 tile's cell values once and walks the pool token rows of its cells, a token row of the tile at a
 time (:func:`_cell_columns`):
 
-    moments          T = (mean of x - centre, mean of (x - centre)^2) per cell, written into the
-                     column-major T of :func:`..function.moments`: x read once
+    moments          with pooling, T = (mean of x - centre, mean of (x - centre)^2) per cell,
+                     written into the column-major T of :func:`..function.moments`: x read once
+                     (without pooling the band products form T from the tokens where they read
+                     them: :class:`..function.TokenMoments`)
     output           y from x and the products m (Eqs. 4-5): x read, y written
     token gradients  backward pass 1, from g and x: dL/dm of every cell (sums of D1 and D2 over
                      its tokens) and the sums for the parameters, per program (added up afterwards
