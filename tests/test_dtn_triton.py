@@ -338,9 +338,11 @@ def test_statistics_for_analysis_equal_the_pytorch_backend(triton_dtn, pool):
         assert torch.allclose(stats[name], value, atol=1e-5 * value.abs().max().item()), name
 
 
-def test_compiles_with_torch_compile(triton_dtn):
+@pytest.mark.parametrize('pool,init', [(2, 'paper'), (1, 'layernorm')])
+def test_compiles_with_torch_compile(triton_dtn, pool, init):
+    """One graph (the custom ops of the layer, the factors and the ratios), equal to eager."""
     torch._dynamo.reset()
-    norm = randomize(DynamicTokenNorm(16, 2, pool_size=2)).float().to(DEVICE)
+    norm = randomize(DynamicTokenNorm(16, 2, pool_size=pool, init=init)).float().to(DEVICE)
     compiled = torch.compile(norm, fullgraph=True, backend='aot_eager')
     x = tokens(1, 5, 6, 16, torch.float32).to(DEVICE).requires_grad_()
     y, ref = compiled(x, (5, 6)), norm(x, (5, 6))
