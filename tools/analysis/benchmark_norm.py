@@ -18,8 +18,9 @@ Shapes: the stages of PVT-Tiny and of Swin-T for an 800 x 1344 input (B = 2; PVT
    bound of a design fused as far as the math allows (:func:`fused_bound`).
 3. Time and peak memory of forward + backward: median over repeats, the normalisers timed in turn
    within every repeat; wall-clock time, or with ``--clock cpu`` the CPU time of the process.
-   On CUDA also the time of the GPU alone, with calls queued back to back (:func:`gpu_seconds`):
-   one call's wall-clock time is mostly launch overhead at these sizes. With ``--compile`` every
+   On CUDA also the time of the GPU alone, with calls queued back to back, and the host's time to
+   issue a call (:func:`gpu_seconds`): one call's wall-clock time is mostly launch overhead at
+   these sizes. With ``--compile`` every
    DTN backend is also timed under ``torch.compile`` (inductor, a static graph per stage shape,
    compiled in the warm-up), where the 'torch' backend's passes run as generated fused kernels.
    Beside them, how far every DTN's y and dx are from those of the ``torch`` backend on the same
@@ -190,8 +191,8 @@ def relative_error(results, reference):
 def timed(modules, x, hw, grad, device, repeats, warmup, clock):
     """Median forward + backward time of every module, timed in turn within every repeat:
     ``{name: seconds}`` of one call from the host, synchronised before and after (what a lone
-    call costs, launches included), and on CUDA also ``{name: seconds}`` of the GPU alone
-    (:func:`gpu_seconds`); ``None`` elsewhere."""
+    call costs, launches included), and on CUDA also ``{name: (GPU seconds, host seconds)}`` of
+    :func:`gpu_seconds`; ``None`` elsewhere."""
     times = {name: [] for name in modules}
     gpu_times = {name: [] for name in modules} if device.type == 'cuda' else None
     for it in range(warmup + repeats):
@@ -206,27 +207,31 @@ def timed(modules, x, hw, grad, device, repeats, warmup, clock):
                 if gpu_times is not None:
                     gpu_times[name].append(gpu_seconds(module, x, hw, grad))
     median = {name: statistics.median(t) for name, t in times.items()}
-    return median, gpu_times and {name: statistics.median(t) for name, t in gpu_times.items()}
+    return median, gpu_times and {name: tuple(map(statistics.median, zip(*t)))
+                                  for name, t in gpu_times.items()}
 
 
 #: forward + backward calls per GPU timing, queued behind one GPU sleep of this many cycles
-GPU_CALLS, GPU_SLEEP_CYCLES = 5, 5 * 10**7
+GPU_CALLS, GPU_SLEEP_CYCLES = 5, 2 * 10**8
 
 
 def gpu_seconds(module, x, hw, grad):
-    """Seconds of the GPU per forward + backward, launch overhead excluded: the GPU first sleeps
-    (25 ms at 2 GHz) while the host queues :data:`GPU_CALLS` calls; CUDA events around the queued
-    calls then time their kernels back to back. A call that waits for the GPU on the host would
-    show here as the GPU idle, so this never under-counts."""
+    """Seconds of the GPU per forward + backward, launch overhead excluded, and seconds of the
+    host to issue one: the GPU first sleeps (100 ms at 2 GHz) while the host queues
+    :data:`GPU_CALLS` calls (timed on the host); CUDA events around the queued calls then time
+    their kernels back to back. A call that waits for the GPU on the host, or a host slower than
+    the sleep, would show here as the GPU idle, so the GPU time never under-counts."""
     sync(x.device)
     torch.cuda._sleep(GPU_SLEEP_CYCLES)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
+    host = time.perf_counter()
     for _ in range(GPU_CALLS):
         forward_backward(module, x, hw, grad)
+    host = time.perf_counter() - host
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / 1e3 / GPU_CALLS
+    return start.elapsed_time(end) / 1e3 / GPU_CALLS, host / GPU_CALLS
 
 
 # ---------------------------------------------------------------------------- the tables
@@ -335,8 +340,10 @@ def time_table(args, device, names, progress):
     gpu = device.type == 'cuda'
     if gpu:
         print(f'GPU ms: the GPU alone per forward + backward, {GPU_CALLS} calls queued back to '
-              'back (no launch gaps); ms: one call from the host, synchronised')
-    head = (f"{'stage':<28}{'layer':<{LAYER_WIDTH}}" + (f"{'GPU ms':>9}{'x LN':>9}" if gpu else '')
+              'back (no launch gaps); host ms: the host issuing one of them (launches, Python); '
+              'ms: one call from the host, synchronised')
+    head = (f"{'stage':<28}{'layer':<{LAYER_WIDTH}}"
+            + (f"{'GPU ms':>9}{'x LN':>9}{'host ms':>9}" if gpu else '')
             + f"{'ms':>9}{'x LN':>9}{'MB':>9}{'x LN':>9}{'error':>10}")
     print(head + '\n' + '-' * len(head))
     for model, stage, C, H, W, pool, heads in STAGES:
@@ -364,8 +371,8 @@ def time_table(args, device, names, progress):
             else:
                 results = outputs(module, backend, x, (H, W), grad)
                 error = f'{relative_error(results, reference):.1e}'
-            on_gpu = (f'{gpu_times[name] * 1e3:>9.3f}{gpu_times[name] / base[2]:>8.2f}x'
-                      if gpu else '')
+            on_gpu = (f'{gpu_times[name][0] * 1e3:>9.3f}{gpu_times[name][0] / base[2][0]:>8.2f}x'
+                      f'{gpu_times[name][1] * 1e3:>9.2f}' if gpu else '')
             print(f'{label:<28}{name:<{LAYER_WIDTH}}{on_gpu}{times[name] * 1e3:>9.2f}'
                   f'{times[name] / base[0]:>8.2f}x'
                   f'{mem / 2**20:>9.0f}{mem / max(base[1], 1):>8.2f}x{error:>10}')
