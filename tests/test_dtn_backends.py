@@ -4,6 +4,7 @@ the two builds of the CPU kernels)."""
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -285,3 +286,23 @@ def test_layer_benchmark_checks_every_backend_against_the_torch_backend(backend_
     assert 1e-5 < relative_error(half, reference) < 2e-3
     y, dx = reference
     assert abs(relative_error((y, 1.01 * dx), reference) - 0.01) < 1e-6
+
+
+def test_kernels_table_of_the_layer_benchmark(backend_setting, capsys):
+    """tools/analysis/benchmark_norm.py --tables kernels: per layer, the kernels or operations that
+    take most of one forward + backward, from torch.profiler (on CPU their own CPU time), with
+    their share and launches per call; --stages picks rows of the stage table by name."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'tools',
+                                    'analysis'))
+    import argparse
+    from benchmark_norm import STAGES, kernels_table, selected_stages
+    parser = argparse.ArgumentParser()
+    assert selected_stages(parser, ['swin_t:3', 'pvt_tiny:1']) == [STAGES[0], STAGES[6]]
+    with pytest.raises(SystemExit):
+        selected_stages(parser, ['pvt_tiny:9'])
+    args = argparse.Namespace(stages=[('tiny', 1, 16, 8, 12, 2, 2)], batch=2, dtype='float32',
+                              warmup=1)
+    kernels_table(args, torch.device('cpu'), ['torch'], progress=mock.Mock())
+    out = capsys.readouterr().out
+    assert 'tiny s1 8x12x16 p2, LN:' in out and 'tiny s1 8x12x16 p2, DTN torch:' in out
+    assert 'aten::native_layer_norm' in out and 'aten::bmm' in out and '%  x' in out

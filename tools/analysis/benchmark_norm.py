@@ -35,8 +35,9 @@ Shapes: the stages of PVT-Tiny and of Swin-T for an 800 x 1344 input (B = 2; PVT
 Usage::
 
     python tools/analysis/benchmark_norm.py [--device cpu|cuda] [--backends cpu torch ...]
-        [--tables traffic model time] [--dtype float32|float16|bfloat16] [--threads N]
-        [--repeats 5] [--clock wall|cpu] [--compile] [--dense-limit-gb 2]
+        [--tables traffic model time kernels] [--stages pvt_tiny:1 ...]
+        [--dtype float32|float16|bfloat16] [--threads N] [--repeats 5] [--clock wall|cpu]
+        [--compile] [--dense-limit-gb 2]
 """
 import argparse
 import collections
@@ -263,7 +264,7 @@ def stage_label(model, stage, C, H, W, pool):
 def traffic_table(args, device, backends, progress):
     """Prints the launches and bytes of every layer; returns the counters by (stage, layer)."""
     counts = {}
-    for model, stage, C, H, W, pool, heads in STAGES:
+    for model, stage, C, H, W, pool, heads in args.stages:
         label = stage_label(model, stage, C, H, W, pool)
         for name, (module, backend, where) in layers(C, heads, pool, device, backends, False,
                                                      DTYPES[args.dtype]).items():
@@ -310,7 +311,7 @@ def model_table(args, counts):
           'float32), bytes read + written; targets: forward <= 1.5x and backward <= 2x '
           "LayerNorm's with pooling, <= 2x and <= 3x without; bound: what a design fused as far "
           'as the math allows moves')
-    for model, stage, C, H, W, pool, heads in STAGES:
+    for model, stage, C, H, W, pool, heads in args.stages:
         label = stage_label(model, stage, C, H, W, pool)
         if (label, 'DTN triton') not in counts:
             return
@@ -346,7 +347,7 @@ def time_table(args, device, names, progress):
             + (f"{'GPU ms':>9}{'x LN':>9}{'host ms':>9}" if gpu else '')
             + f"{'ms':>9}{'x LN':>9}{'MB':>9}{'x LN':>9}{'error':>10}")
     print(head + '\n' + '-' * len(head))
-    for model, stage, C, H, W, pool, heads in STAGES:
+    for model, stage, C, H, W, pool, heads in args.stages:
         x, grad = inputs(C, H, W, args.batch, device, DTYPES[args.dtype])
         T = (-(-H // pool) * -(-W // pool))**2
         dense = 4 * heads * T * x.element_size() <= args.dense_limit_gb * 2**30  # P, logits, grads
@@ -379,6 +380,56 @@ def time_table(args, device, names, progress):
         progress.update()
 
 
+#: forward + backward calls per profile of the kernels table
+PROFILED_CALLS, KERNELS_SHOWN = 5, 12
+
+
+def kernels_table(args, device, names, progress):
+    """The kernels (CUDA: GPU time of each) or operations (CPU: their own CPU time) that take most
+    of one forward + backward of every DTN backend and of LayerNorm, from ``torch.profiler``:
+    microseconds and launches per call, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    gpu = device.type == 'cuda'
+    print(f'\nKernels of one forward + backward, batch {args.batch}, {args.dtype}, {device.type}'
+          f' (torch.profiler, {PROFILED_CALLS} calls; {"GPU" if gpu else "own CPU"} time)')
+    for model, stage, C, H, W, pool, heads in args.stages:
+        x, grad = inputs(C, H, W, args.batch, device, DTYPES[args.dtype])
+        for name, (module, backend, _) in layers(C, heads, pool, device,
+                                                 [(n, device) for n in names], False,
+                                                 x.dtype).items():
+            set_dtn_backend(backend)
+            for _ in range(args.warmup):
+                forward_backward(module, x, (H, W), grad)
+            sync(device)
+            activity = ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU
+            with profile(activities=[activity]) as prof:
+                for _ in range(PROFILED_CALLS):
+                    forward_backward(module, x, (H, W), grad)
+                sync(device)
+            spent = {e.key: ((e.self_device_time_total if gpu else e.self_cpu_time_total)
+                             / PROFILED_CALLS, e.count / PROFILED_CALLS)
+                     for e in prof.key_averages()}
+            spent = {k: v for k, v in spent.items() if v[0] > 0}
+            total = sum(us for us, _ in spent.values())
+            launches = sum(n for _, n in spent.values())
+            print(f'  {stage_label(model, stage, C, H, W, pool)}, {name}: {total:.0f} us, '
+                  f'{launches:.0f} kernels or operations per call')
+            for key, (us, n) in sorted(spent.items(), key=lambda kv: -kv[1][0])[:KERNELS_SHOWN]:
+                print(f'    {us:>10.1f} us {100 * us / total:>5.1f}%  x{n:<4.0f} {key[:80]}')
+        progress.update()
+
+
+def selected_stages(parser, chosen):
+    """The rows of STAGES named ``model:stage`` in ``chosen`` (all if None)."""
+    if chosen is None:
+        return STAGES
+    by_name = {f'{model}:{stage}': row for row in STAGES for model, stage in [row[:2]]}
+    unknown = sorted(set(chosen) - set(by_name))
+    if unknown:
+        parser.error(f'unknown stages {unknown}; known: {sorted(by_name)}')
+    return [row for name, row in by_name.items() if name in chosen]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
@@ -386,7 +437,11 @@ def main():
                         help='DTN backends to measure (default: all that run on the device, and '
                         'triton, counted on meta tensors where no GPU runs it)')
     parser.add_argument('--tables', nargs='+', default=['traffic', 'model', 'time'],
-                        choices=['traffic', 'model', 'time'])
+                        choices=['traffic', 'model', 'time', 'kernels'],
+                        help='kernels: the largest kernels (CUDA) or operations (CPU) of every '
+                        'layer, from torch.profiler (not in the default)')
+    parser.add_argument('--stages', nargs='+', default=None, metavar='MODEL:STAGE',
+                        help='only these stages, e.g. pvt_tiny:1 swin_t:3 (default: all)')
     parser.add_argument('--dtype', default='float32', choices=sorted(DTYPES),
                         help='dtype of the tokens (the parameters stay float32)')
     parser.add_argument('--threads', type=int, default=None, help='torch CPU threads')
@@ -401,6 +456,7 @@ def main():
     parser.add_argument('--dense-limit-gb', type=float, default=2.0,
                         help='time the dense formulation only where its T x T tensors fit this')
     args = parser.parse_args()
+    args.stages = selected_stages(parser, args.stages)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -419,10 +475,11 @@ def main():
     # orders of magnitude; flushing them to zero keeps the comparison about the formulation
     torch.set_flush_denormal(True)
     if args.compile:  # one compilation per stage shape and layer; none may fall back to eager
-        torch._dynamo.config.recompile_limit = 8 * len(STAGES)
+        torch._dynamo.config.recompile_limit = 8 * len(args.stages)
     print(f'device={device} threads={torch.get_num_threads()} torch {torch.__version__} '
           f'backends {backends}')
-    steps = len(STAGES) * (bool({'traffic', 'model'} & set(args.tables)) + ('time' in args.tables))
+    steps = len(args.stages) * (bool({'traffic', 'model'} & set(args.tables))
+                                + ('time' in args.tables) + ('kernels' in args.tables))
     with tqdm(total=steps, desc='stages') as progress:
         if {'traffic', 'model'} & set(args.tables):
             counts = traffic_table(args, device, backends + counted, progress)
@@ -430,6 +487,8 @@ def main():
                 model_table(args, counts)
         if 'time' in args.tables:
             time_table(args, device, [name for name, _ in backends], progress)
+        if 'kernels' in args.tables:
+            kernels_table(args, device, [name for name, _ in backends], progress)
 
 
 if __name__ == '__main__':
