@@ -22,7 +22,10 @@ from those rows alone (no host synchronisation, no spans stored):
 Measured on an H200 (README, "DTN on GPUs"): ``tl.dot`` took band_matmul to 0.68-0.72x the time of a
 column-at-a-time loop, but band_outer to 1.25-1.65x, so band_outer keeps the loop.
 
-Matrix k of X, A and the results uses P[k // group]. Everything is float32.
+Matrix k of X, A and the results uses P[k // group]. Everything is float32, except that without
+pooling X = T (x - centre and its square, four times the bytes of 16-bit tokens) is not stored:
+with TOKENS the kernels form its entries from the tokens where they read them
+(:class:`..function.TokenMoments`).
 """
 import torch
 import triton
