@@ -352,6 +352,42 @@ def test_compiles_with_torch_compile(triton_dtn, pool, init):
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, ref_grads))
 
 
+def test_eager_calls_and_custom_ops_agree(triton_dtn):
+    """Eager calls run the Python of the layer's, the factors' and the ratios' custom ops in
+    autograd Functions, without their dispatch; under a dispatch mode all six custom ops run. Both
+    give the same output and gradients."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recording(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    norm = randomize(DynamicTokenNorm(12, 3, pool_size=2, init='layernorm')).to(DEVICE)
+    x = tokens(2, 5, 6, 12, torch.float32).to(DEVICE)
+
+    def forward_backward():
+        xg = x.detach().requires_grad_()
+        y = norm(xg, (5, 6))
+        return [y, *torch.autograd.grad((y * y).sum(), [xg, *norm.parameters()])]
+
+    with torch.profiler.profile() as profiler:
+        eager = forward_backward()
+    names = {event.name for event in profiler.events()}
+    assert not any(name.startswith('mmdtn::') for name in names), sorted(names)
+    with Recording() as recording:
+        custom = forward_backward()
+    assert {f'mmdtn::dtn_triton_{op}' for op in ('forward', 'backward', 'axis_factors',
+                                                 'axis_factors_backward', 'channel_ratios',
+                                                 'channel_ratios_backward')} <= recording.ops
+    for a, b in zip(eager, custom):
+        assert torch.equal(a, b)
+
+
 def test_auto_takes_triton_for_cuda_tensors_and_says_once_why_not(monkeypatch, backend_setting):
     """auto takes the Triton kernels for CUDA tensors of every pooling; where they cannot run it
     takes the 'torch' backend and says why, once."""
