@@ -9,6 +9,7 @@ from functools import partial
 import pytest
 import torch
 from test_dynamic_token_norm import randomize, tokens
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmdtn import (DynamicTokenNorm, PyramidVisionTransformerDTN, SwinTransformerDTN,
                    set_dtn_backend)
@@ -130,21 +131,22 @@ def test_counters_count_dtn_by_its_formula(backend_setting):
     assert analyzer.by_module()['norm'] == expected
 
 
+class RecordingOps(TorchDispatchMode):
+    """A dispatch mode that notes the name of every operation it sees (``ops``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
 def test_eager_calls_run_the_custom_ops_python_without_their_dispatch(backend_setting):
     """Eager calls of the compiled kernels run their Python in an autograd Function, without the
     custom ops' dispatch; under a dispatch mode the layer runs as its custom ops. Both give the
     same output and gradients."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Recording(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.add(func._schema.name)
-            return func(*args, **(kwargs or {}))
-
     set_dtn_backend('cpu')
     norm = randomize(DynamicTokenNorm(16, 4, pool_size=2))
     x = tokens(2, 6, 9, 16, torch.float32).requires_grad_()
@@ -152,7 +154,7 @@ def test_eager_calls_run_the_custom_ops_python_without_their_dispatch(backend_se
         eager = forward_backward(norm, x, (6, 9))
     names = {event.name for event in profiler.events()}
     assert not any(name.startswith('mmdtn::') for name in names), sorted(names)
-    with Recording() as recording:
+    with RecordingOps() as recording:
         custom = forward_backward(norm, x, (6, 9))
     assert {'mmdtn::dtn_cpu_forward', 'mmdtn::dtn_cpu_backward'} <= recording.ops
     for a, b in zip(eager, custom):

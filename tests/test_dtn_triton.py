@@ -356,17 +356,7 @@ def test_eager_calls_and_custom_ops_agree(triton_dtn):
     """Eager calls run the Python of the layer's, the factors' and the ratios' custom ops in
     autograd Functions, without their dispatch; under a dispatch mode all six custom ops run. Both
     give the same output and gradients."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Recording(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.add(func._schema.name)
-            return func(*args, **(kwargs or {}))
-
+    from test_dtn_tracing import RecordingOps
     norm = randomize(DynamicTokenNorm(12, 3, pool_size=2, init='layernorm')).to(DEVICE)
     x = tokens(2, 5, 6, 12, torch.float32).to(DEVICE)
 
@@ -379,7 +369,7 @@ def test_eager_calls_and_custom_ops_agree(triton_dtn):
         eager = forward_backward()
     names = {event.name for event in profiler.events()}
     assert not any(name.startswith('mmdtn::') for name in names), sorted(names)
-    with Recording() as recording:
+    with RecordingOps() as recording:
         custom = forward_backward()
     assert {f'mmdtn::dtn_triton_{op}' for op in ('forward', 'backward', 'axis_factors',
                                                  'axis_factors_backward', 'channel_ratios',
