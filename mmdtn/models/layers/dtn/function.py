@@ -63,8 +63,9 @@ class TokenStatistics:
     C), a per-channel constant near the tokens' values; per cell ``cell_mean`` (B, Hp, Wp, C) and
     ``cell_second``, the mean of (x - centre)^2, or None where the second moment is the square of
     the first moment (no pooling, or the reference code's square of the pooled x). A backend may
-    instead form the moments T of :func:`moments` in its pass: then ``moments`` holds them and the
-    cell statistics are None."""
+    instead form the moments T of :func:`moments` in its pass, or without pooling leave them to
+    its factors (a :class:`TokenMoments`): then ``moments`` holds them and the cell statistics are
+    None."""
 
     mean_ln: Optional[Tensor]
     var_ln: Optional[Tensor]

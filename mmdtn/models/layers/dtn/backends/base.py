@@ -64,7 +64,8 @@ class Backend:
 
     def token_moments(self, x, centre, grid):
         """Without pooling, the moments T of :func:`..function.moments` (x - centre and its
-        square, column-major) from the tokens and the centre (backward recomputes them)."""
+        square, column-major) from the tokens and the centre (backward recomputes them), or a
+        :class:`..function.TokenMoments` where the backend's factors form T as they read it."""
         return moments(TokenStatistics(None, None, centre, grid.cell_means(x), None), grid)
 
     def factor(self, p):

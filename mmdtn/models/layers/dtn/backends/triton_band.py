@@ -128,26 +128,25 @@ def _band_matmul_kernel(p_ptr, in_ptr, x_ptr, centre_ptr, out_ptr, L, N, group, 
 
 def _operand(x):
     """A product's right operand x: float32 (matrices, L, N) contiguous, or the T of a
-    TokenMoments. Returns its shape, whether it is T formed from tokens, the tensors it reads and
-    the kernels' arguments in_ptr, x_ptr, centre_ptr, B, H, C, d."""
+    TokenMoments. Returns its shape, whether it is T formed from tokens, the tensors it reads, and
+    the kernels' arguments for it: in_ptr, x_ptr, centre_ptr and the sizes B, H, C, d."""
     if isinstance(x, TokenMoments):
         grid = x.grid
         shape = (grid.heads, grid.W, 2 * grid.B * grid.H * grid.d)
         centre = x.centre.contiguous()
-        return (shape, True, [x.x, centre],
-                (x.x, x.x, centre, grid.B, grid.H, grid.C, grid.d))
+        return shape, True, [x.x, centre], (x.x, x.x, centre), (grid.B, grid.H, grid.C, grid.d)
     x = x.contiguous()
-    return x.shape, False, [x], (x, x, x, 1, 1, 1, 1)
+    return x.shape, False, [x], (x, x, x), (1, 1, 1, 1)
 
 
 def band_matmul(p, x, group, transpose=False):
     """P X, or P^T X with ``transpose``, for x (heads * group, L, N) float32 or a TokenMoments
     (group 1)."""
-    (n, L, N), tokens, reads, args = _operand(x)
+    (n, L, N), tokens, reads, pointers, sizes = _operand(x)
     y = torch.empty(n, L, N, dtype=torch.float32, device=p.device)
     spec = _matmul_spec(transpose, tokens)
     _launch('triton.band_matmul', spec, (n, -(-L // ROWS), -(-N // spec[1]['BLOCK_N'])),
-            [p, *reads], [y], p, args[0], args[1], args[2], y, L, N, group, *args[3:])
+            [p, *reads], [y], p, *pointers, y, L, N, group, *sizes)
     return y
 
 
@@ -189,12 +188,12 @@ def band_outer(p, a, x, group):
     """A X^T where P is nonzero, 0 elsewhere, summed over the matrices of each head (heads, L, L),
     for a (heads * group, L, K) contiguous float32 and x as a (float32, or a TokenMoments with
     group 1)."""
-    (n, L, K), tokens, reads, args = _operand(x)
+    (n, L, K), tokens, reads, pointers, sizes = _operand(x)
     chunks = -(-K // OUTER_BLOCK_K)
     partial = torch.empty(chunks, n, L, L, dtype=torch.float32, device=p.device)
     spec = _outer_spec(tokens)
     _launch('triton.band_outer', spec, (n, -(-L // ROWS), chunks), [p, a, *reads], [partial],
-            p, a, args[0], args[1], args[2], partial, L, K, group, n, *args[3:])
+            p, a, *pointers, partial, L, K, group, n, *sizes)
     return partial.view(chunks, -1, group, L, L).sum((0, 2))
 
 

@@ -260,8 +260,8 @@ def _normalised(x, mask, C, n_var, mean_it, var_it, lam_m, kap_m, lam_v, kap_v, 
 def _moments_kernel(x_ptr, centre_ptr, t_first_ptr, t_second_ptr, H, W, C, d, t_sb, t_srow,
                     t_scol, t_shead, SQUARE: tl.constexpr, POOL: tl.constexpr, CELLS: tl.constexpr,
                     S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
-    """T of CELLS cells of cell row ci of image b: the mean of x - centre over each cell's real
-    tokens and the mean of its square, or with ``SQUARE`` (no pooling, or the reference code's
+    """T of CELLS cells of cell row ci of image b (pooling): the mean of x - centre over each
+    cell's real tokens and the mean of its square, or with ``SQUARE`` (the reference code's
     convention) the square of the first."""
     b, ci, start, Wp = _program_tile(H, W, POOL, CELLS)
     centre = _channel_row(centre_ptr + b * C, C, C_BLOCK)
@@ -292,8 +292,8 @@ def sample_centre(x):
 
 
 def moments(x, centre, grid, square_of_pooled=False):
-    """T of :func:`..function.moments`, column-major (heads, Wp, 2, B, Hp, d) float32, from x and
-    the centre (B, 1, 1, C)."""
+    """T of :func:`..function.moments` with pooling, column-major (heads, Wp, 2, B, Hp, d) float32,
+    from x and the centre (B, 1, 1, C)."""
     B, _, C = x.shape
     T = torch.empty(grid.column_major, dtype=torch.float32, device=x.device)
     first, second = (grid.from_column_major(T[:, :, k]) for k in range(2))
@@ -306,7 +306,7 @@ def moments(x, centre, grid, square_of_pooled=False):
 
 @functools.lru_cache(maxsize=None)
 def _moments_spec(C, pool, square_of_pooled):
-    constexprs, warps = _tiling(C, pool, SQUARE=pool == 1 or square_of_pooled)
+    constexprs, warps = _tiling(C, pool, SQUARE=square_of_pooled)
     return _moments_kernel, constexprs, warps
 
 
