@@ -231,7 +231,7 @@ def by_columns(T, grid):
 
 def row_products(T, factor_x, grid):
     """u = P_x^h T along every row of cells, head-major (heads, 2, B, Hp, Wp, d)."""
-    return factor_x.matmul(by_columns(T, grid), layout=(grid.column_major, (0, 2, 3, 4, 1, 5)))
+    return factor_x.matmul(by_columns(T, grid), inner=grid.d).view(grid.head_major)
 
 
 def positional_products(T, factor_y, factor_x, grid, variance=True):
@@ -255,8 +255,7 @@ def rows_backward(dm, factor_y, grid):
     """m = P_y u backwards: dL/du, column-major (heads, Wp, ...), from dL/dm (head-major, with
     respect to the raw moments). The gradient of P_y is ``factor_y.outer(by_rows(dm),
     by_rows(u))``."""
-    du = factor_y.matmul(by_rows(dm, grid), transpose=True,
-                         layout=(grid.head_major, (0, 4, 1, 2, 3, 5)))
+    du = factor_y.matmul(by_rows(dm, grid), transpose=True, inner=grid.d)
     return du.view(grid.heads, grid.Wp, -1)
 
 

@@ -70,7 +70,7 @@ class Backend:
 
     def factor(self, p):
         """The products with one positional factor p (heads, L, L): an object with
-        ``matmul(x, transpose=False, layout=None)`` and ``outer(a, x)`` (see
+        ``matmul(x, transpose=False, inner=None)`` and ``outer(a, x)`` (see
         :class:`DenseFactor`)."""
         return DenseFactor(p)
 
@@ -124,11 +124,16 @@ class DenseFactor:
         group = x.shape[0] // heads
         return self.p[:, None].expand(heads, group, L, L).reshape(-1, L, L)
 
-    def matmul(self, x, transpose=False, layout=None):
-        """P X, or P^T X with ``transpose``; with ``layout`` = (shape, dims) the product viewed as
-        ``shape`` and permuted by ``dims``, contiguous."""
+    def matmul(self, x, transpose=False, inner=None):
+        """P X, or P^T X with ``transpose``, for x (heads * group, L, N). With ``inner``, N is
+        (N / inner, inner) and the product comes as (heads, N / inner, group, L, inner),
+        contiguous: its blocks of ``inner`` columns moved ahead of the rows, which turns the
+        products' column-major layout into their head-major one and back (:mod:`..function`)."""
         y = self._product(x, transpose)
-        return y if layout is None else y.view(layout[0]).permute(layout[1]).contiguous()
+        if inner is None:
+            return y
+        heads, _, L, N = self.p.shape[0], *y.shape
+        return y.view(heads, -1, L, N // inner, inner).permute(0, 3, 1, 2, 4).contiguous()
 
     def _product(self, x, transpose):
         p = self._factors(x)

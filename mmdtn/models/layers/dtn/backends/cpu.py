@@ -56,20 +56,16 @@ class BandedFactor:
         width = int(offsets.max()) - int(offsets.min()) + 1
         return width + BAND_ROWS - 1 <= BAND_MAX_FILL * L
 
-    def matmul(self, x, transpose=False, layout=None):
-        group = x.shape[0] // self.p.shape[0]
-        if layout is None:
+    def matmul(self, x, transpose=False, inner=None):
+        heads, L = self.p.shape[0], self.p.shape[-1]
+        group = x.shape[0] // heads
+        if inner is None:
             return kernels.band_matmul(p=self.p, x=x, group=group, transpose=transpose)
-        # the kernel writes the product straight into the permuted layout
-        shape, dims = layout
-        out = x.new_empty([shape[d] for d in dims])
-        lead, matrices = 0, 1  # the leading dims of ``shape`` that index the matrices
-        while matrices < x.shape[0] or shape[lead] == 1:
-            matrices *= shape[lead]
-            lead += 1
-        inverse = sorted(range(len(dims)), key=dims.__getitem__)
+        # the kernel writes the product straight into (heads, N / inner, group, L, inner),
+        # given as a view (heads, group, L, N / inner, inner): two leading dims index the matrices
+        out = x.new_empty(heads, x.shape[-1] // inner, group, L, inner)
         kernels.band_matmul(p=self.p, x=x, group=group, transpose=transpose,
-                            out=out.permute(inverse), lead=lead)
+                            out=out.permute(0, 2, 3, 1, 4), lead=2)
         return out
 
     def outer(self, a, x):

@@ -14,9 +14,10 @@ from those rows alone (no host synchronisation, no spans stored):
 
     band_matmul  Y = P X (or P^T X): a program per matrix, block of rows and block of BLOCK_N
                  columns of X; the block's band in steps of BAND columns, each a small matrix
-                 product (``tl.dot`` in float32)
+                 product (``tl.dot`` in float32); Y written as it is or with its blocks of d
+                 columns moved ahead of the rows (the layout the next product reads)
     band_outer   G = A X^T where P is nonzero: a program per matrix, block of rows and chunk of
-                 OUTER_BLOCK_K of the summed dimension, one column of the band at a time; the
+                 BLOCK_K of the summed dimension, one column of the band at a time; the
                  chunks' sums are added up afterwards in a fixed order (no float atomics)
 
 Measured on an H200 (README, "DTN on GPUs"): ``tl.dot`` took band_matmul to 0.68-0.72x the time of a
@@ -37,10 +38,23 @@ from .triton_kernels import _launch
 
 __all__ = ['BandFactor', 'band_matmul', 'band_outer', 'specializations']
 
-#: Rows of P per program, columns of P per step over the band and columns of X per program of
-#: band_matmul, values of the summed dimension per program of band_outer, and entries of P one step
-#: of the search for the band reads.
-ROWS, BAND, BLOCK_N, OUTER_BLOCK_K, SPAN_BLOCK = 16, 32, 128, 256, 64
+#: Tiles of the band products (README, "DTN on GPUs", for how they were chosen), by kernel and
+#: operand: ``matrices`` (X float32, P X), ``transposed`` (P^T X) and ``tokens`` (X the T of the
+#: tokens, formed in registers from a pointer each: more registers per column). ROWS: rows of P
+#: per program; BAND: columns of P per step over the band; BLOCK_N: columns of X per program;
+#: STAGES: steps over the band in flight; BLOCK_K (band_outer): values of the summed dimension
+#: per program.
+MATMUL_TILES = {
+    'matrices': dict(ROWS=16, BAND=32, BLOCK_N=128, STAGES=3, warps=4),
+    'transposed': dict(ROWS=16, BAND=32, BLOCK_N=128, STAGES=3, warps=4),
+    'tokens': dict(ROWS=16, BAND=32, BLOCK_N=64, STAGES=1, warps=4),
+}
+OUTER_TILES = {
+    'matrices': dict(ROWS=16, BLOCK_K=256, warps=4),
+    'tokens': dict(ROWS=16, BLOCK_K=256, warps=4),
+}
+#: Entries of P one step of the search for the band reads.
+SPAN_BLOCK = 64
 
 
 @triton.jit
@@ -94,13 +108,14 @@ def _token_moments(tokens, centre, second, col, C, mask):
     return tl.where(mask, tl.where(second, diff * diff, diff), 0.0)
 
 
-@triton.jit(do_not_specialize=['L', 'N', 'group', 'B', 'H', 'C', 'd'])
-def _band_matmul_kernel(p_ptr, in_ptr, x_ptr, centre_ptr, out_ptr, L, N, group, B, H, C, d,
-                        TRANSPOSE: tl.constexpr, TOKENS: tl.constexpr, ROWS: tl.constexpr,
+@triton.jit(do_not_specialize=['L', 'N', 'group', 'inner', 'B', 'H', 'C', 'd'])
+def _band_matmul_kernel(p_ptr, in_ptr, x_ptr, centre_ptr, out_ptr, L, N, group, inner, B, H, C,
+                        d, TRANSPOSE: tl.constexpr, TOKENS: tl.constexpr, ROWS: tl.constexpr,
                         BAND: tl.constexpr, BLOCK_N: tl.constexpr, SPAN_BLOCK: tl.constexpr,
                         STAGES: tl.constexpr):
     """Rows of block ``rb`` and columns of block ``nb`` of Y[k] = P[h] X[k] (P[h]^T X[k]): the
-    band in blocks of BAND columns of P, each a matrix product (float32 multiply-adds). With
+    band in blocks of BAND columns of P, each a matrix product (float32 multiply-adds). Y is
+    stored as (heads, N / inner, group, L, inner): as (heads * group, L, N) for inner = N. With
     TOKENS, X is the T of the tokens x (group 1)."""
     k, rb, nb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     p_head = p_ptr + (k // group).to(tl.int64) * L * L
@@ -122,8 +137,10 @@ def _band_matmul_kernel(p_ptr, in_ptr, x_ptr, centre_ptr, out_ptr, L, N, group, 
         else:
             x_rows = tl.load(x_mat + cols[:, None] * N + n[None, :], mask=mask, other=0.0)
         acc += tl.dot(weights, x_rows, input_precision='ieee')
-    tl.store(out_ptr + k.to(tl.int64) * L * N + rows[:, None] * N + n[None, :], acc,
-             mask=(rows[:, None] < L) & (n[None, :] < N))
+    h, matrix = k // group, k % group
+    block = (h.to(tl.int64) * group * N + (n // inner) * group * inner) * L
+    out = out_ptr + block[None, :] + (matrix * L + rows[:, None]) * inner + (n % inner)[None, :]
+    tl.store(out, acc, mask=(rows[:, None] < L) & (n[None, :] < N))
 
 
 def _operand(x):
@@ -139,14 +156,17 @@ def _operand(x):
     return x.shape, False, [x], (x, x, x), (1, 1, 1, 1)
 
 
-def band_matmul(p, x, group, transpose=False):
+def band_matmul(p, x, group, transpose=False, inner=None):
     """P X, or P^T X with ``transpose``, for x (heads * group, L, N) float32 or a TokenMoments
-    (group 1)."""
+    (group 1); with ``inner`` as :meth:`.base.DenseFactor.matmul`, (heads, N / inner, group, L,
+    inner)."""
     (n, L, N), tokens, reads, pointers, sizes = _operand(x)
-    y = torch.empty(n, L, N, dtype=torch.float32, device=p.device)
+    shape = (n, L, N) if inner is None else (n // group, N // inner, group, L, inner)
+    y = torch.empty(shape, dtype=torch.float32, device=p.device)
     spec = _matmul_spec(transpose, tokens)
-    _launch('triton.band_matmul', spec, (n, -(-L // ROWS), -(-N // spec[1]['BLOCK_N'])),
-            [p, *reads], [y], p, *pointers, y, L, N, group, *sizes)
+    tiles = spec[1]
+    _launch('triton.band_matmul', spec, (n, -(-L // tiles['ROWS']), -(-N // tiles['BLOCK_N'])),
+            [p, *reads], [y], p, *pointers, y, L, N, group, inner or N, *sizes)
     return y
 
 
@@ -189,19 +209,19 @@ def band_outer(p, a, x, group):
     for a (heads * group, L, K) contiguous float32 and x as a (float32, or a TokenMoments with
     group 1)."""
     (n, L, K), tokens, reads, pointers, sizes = _operand(x)
-    chunks = -(-K // OUTER_BLOCK_K)
-    partial = torch.empty(chunks, n, L, L, dtype=torch.float32, device=p.device)
     spec = _outer_spec(tokens)
-    _launch('triton.band_outer', spec, (n, -(-L // ROWS), chunks), [p, a, *reads], [partial],
-            p, a, *pointers, partial, L, K, group, n, *sizes)
+    chunks = -(-K // spec[1]['BLOCK_K'])
+    partial = torch.empty(chunks, n, L, L, dtype=torch.float32, device=p.device)
+    _launch('triton.band_outer', spec, (n, -(-L // spec[1]['ROWS']), chunks), [p, a, *reads],
+            [partial], p, a, *pointers, partial, L, K, group, n, *sizes)
     return partial.view(chunks, -1, group, L, L).sum((0, 2))
 
 
 class BandFactor(DenseFactor):
     """:class:`.base.DenseFactor` with the products over the nonzero band of P (float32)."""
 
-    def _product(self, x, transpose):
-        return band_matmul(self.p.contiguous(), x, self._group(x), transpose)
+    def matmul(self, x, transpose=False, inner=None):
+        return band_matmul(self.p.contiguous(), x, self._group(x), transpose, inner)
 
     def outer(self, a, x):
         return band_outer(self.p.contiguous(), a.contiguous(), x, self._group(x))
@@ -211,16 +231,16 @@ class BandFactor(DenseFactor):
 
 
 def _matmul_spec(transpose, tokens=False):
-    """With TOKENS, X's entries are formed in registers from a pointer each: half the columns per
-    program and the steps over the band not pipelined (255 registers a thread otherwise)."""
-    return _band_matmul_kernel, dict(TRANSPOSE=transpose, TOKENS=tokens, ROWS=ROWS, BAND=BAND,
-                                     BLOCK_N=BLOCK_N // 2 if tokens else BLOCK_N,
-                                     SPAN_BLOCK=SPAN_BLOCK, STAGES=1 if tokens else 3), 4
+    tiles = dict(MATMUL_TILES['tokens' if tokens else 'transposed' if transpose else 'matrices'])
+    warps = tiles.pop('warps')
+    return _band_matmul_kernel, dict(TRANSPOSE=transpose, TOKENS=tokens, **tiles,
+                                     SPAN_BLOCK=SPAN_BLOCK), warps
 
 
 def _outer_spec(tokens=False):
-    return _band_outer_kernel, dict(TOKENS=tokens, ROWS=ROWS, BLOCK_K=OUTER_BLOCK_K,
-                                    SPAN_BLOCK=SPAN_BLOCK), 4
+    tiles = dict(OUTER_TILES['tokens' if tokens else 'matrices'])
+    warps = tiles.pop('warps')
+    return _band_outer_kernel, dict(TOKENS=tokens, **tiles, SPAN_BLOCK=SPAN_BLOCK), warps
 
 
 def specializations():

@@ -438,51 +438,44 @@ def token_gradients(g, x, centre, m_first, m_second, ratios, weight, eps, n_var,
     return dm, partial
 
 
-@triton.jit
-def _program_sum(partial_ptr, row, c, programs, C, BLOCK_P: tl.constexpr,
-                 BLOCK_C: tl.constexpr):
-    """Row ``row`` of the programs' sums (programs, 6, C) added up over the programs for channels
-    c, BLOCK_P programs at a time in a fixed order."""
+@triton.jit(do_not_specialize=['programs', 'C'])
+def _parameter_gradients_kernel(partial_ptr, ratios_ptr, weight_ptr, bias_ptr, programs, C,
+                                BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Row ``program_id(1)`` of the programs' sums (programs, 6, C) of xhat g, g, mu_ln D1,
+    var_ln D2, mu_it D1, var_it D2, added up over the programs in a fixed order (BLOCK_P at a
+    time) for the channels of block ``program_id(0)``: the gradient of weight, bias or one row of
+    the ratios (as :func:`..function.parameter_gradients`)."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row = tl.program_id(1)
     total = tl.zeros([BLOCK_C], tl.float32)
     for start in range(0, programs, BLOCK_P):
         p = start + tl.arange(0, BLOCK_P)
         at = (p[:, None] * 6 + row).to(tl.int64) * C + c[None, :]
         mask = (p < programs)[:, None] & (c < C)[None, :]
         total += tl.sum(tl.load(partial_ptr + at, mask=mask, other=0.0), axis=0)
-    return total
-
-
-@triton.jit(do_not_specialize=['programs', 'C'])
-def _parameter_gradients_kernel(partial_ptr, ratios_ptr, weight_ptr, bias_ptr, programs, C,
-                                BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Channels of block ``program_id(0)`` of the gradients of weight, bias and the ratios (4,
-    C) from the programs' sums of xhat g, g, mu_ln D1, var_ln D2, mu_it D1, var_it D2 (as
-    :func:`..function.parameter_gradients`)."""
-    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    inside = c < C
-    tl.store(weight_ptr + c, _program_sum(partial_ptr, 0, c, programs, C, BLOCK_P, BLOCK_C),
-             mask=inside)
-    tl.store(bias_ptr + c, _program_sum(partial_ptr, 1, c, programs, C, BLOCK_P, BLOCK_C),
-             mask=inside)
-    for k in tl.static_range(4):  # lambda_m, 1 - lambda_m: -(mu_ln, mu_it) D1; lambda_v, ...
-        row = 2 + (k % 2) * 2 + k // 2  # ... 1 - lambda_v: -(var_ln, var_it) D2 / 2
-        total = _program_sum(partial_ptr, row, c, programs, C, BLOCK_P, BLOCK_C)
-        tl.store(ratios_ptr + k * C + c, total * (-1.0 if k < 2 else -0.5), mask=inside)
+    if row == 0:
+        tl.store(weight_ptr + c, total, mask=c < C)
+    elif row == 1:
+        tl.store(bias_ptr + c, total, mask=c < C)
+    else:  # rows 2-5 -> ratios k = 0, 2, 1, 3: lambda_m, 1 - lambda_m: -(mu_ln, mu_it) D1;
+        k = (row - 2) // 2 + (row - 2) % 2 * 2  # lambda_v, 1 - lambda_v: -(var_ln, var_it) D2 / 2
+        tl.store(ratios_ptr + k * C + c, total * tl.where(k < 2, -1.0, -0.5), mask=c < C)
 
 
 def parameter_gradients(partial):
     """The gradients of the ratios (4, C), weight and bias (C, each its own tensor) from the
-    per-program sums (programs, 6, C) of :func:`token_gradients`: one launch."""
-    programs, _, C = partial.shape
+    per-program sums (programs, 6, C) of :func:`token_gradients`: one launch, a program per row
+    and block of channels."""
+    programs, rows, C = partial.shape
     ratios, weight, bias = (partial.new_empty(shape) for shape in ((4, C), (C, ), (C, )))
     spec = _parameter_gradients_spec()
-    _launch('triton.parameter_gradients', spec, (_cdiv(C, spec[1]['BLOCK_C']), ), [partial],
+    _launch('triton.parameter_gradients', spec, (_cdiv(C, spec[1]['BLOCK_C']), rows), [partial],
             [ratios, weight, bias], partial, ratios, weight, bias, programs, C)
     return ratios, weight, bias
 
 
 def _parameter_gradients_spec():
-    return _parameter_gradients_kernel, dict(BLOCK_P=64, BLOCK_C=64), 4
+    return _parameter_gradients_kernel, dict(BLOCK_P=256, BLOCK_C=32), 4
 
 
 @functools.lru_cache(maxsize=None)
