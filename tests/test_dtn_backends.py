@@ -254,6 +254,30 @@ def test_traffic_counts_of_the_layer_benchmark():
     assert half['DTN torch'][0].weight.dtype == torch.float32
 
 
+def permuted(x: torch.Tensor) -> torch.Tensor:
+    """x (a, b, c) as (b, a, c): one ``contiguous`` that returns x itself, one that copies."""
+    return x.contiguous().permute(1, 0, 2).contiguous()
+
+
+permuted_copy = torch.library.custom_op('mmdtn_tests::permuted_copy', mutates_args=())(permuted)
+
+
+def test_traffic_counter_counts_copies_inside_custom_ops(monkeypatch):
+    """Inside the custom ops it looks into, ``contiguous`` reaches benchmark_norm's counter as an
+    aliasing operation of its own: a copy (a storage of its own) counts as a launch that reads and
+    writes the tensor, a ``contiguous`` that returns its input does not."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'tools',
+                                    'analysis'))
+    import benchmark_norm
+    monkeypatch.setitem(benchmark_norm.CUSTOM_OP_IMPLEMENTATIONS, 'mmdtn_tests::permuted_copy',
+                        permuted)
+    x = torch.empty(8, 6, 4, device='meta')
+    counter = benchmark_norm.TrafficCounter()
+    with counter.counting():
+        permuted_copy(x)
+    assert counter.launches == 1 and counter.bytes == 2 * x.numel() * x.element_size()
+
+
 def test_fused_bound_of_the_layer_benchmark():
     """The bound of a fused DTN: x twice (once without pooling) and y once forward, dL/dy and x
     twice and dx once backward; with pooling also the float32 cell moments (2 C values per cell),

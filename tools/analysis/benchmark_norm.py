@@ -73,6 +73,11 @@ DTYPES = {'float32': torch.float32, 'float16': torch.float16, 'bfloat16': torch.
 
 
 # ---------------------------------------------------------------------------- launches and bytes
+def _storage(t):
+    """Identity of a tensor's storage (also on meta tensors)."""
+    return t.untyped_storage()._cdata
+
+
 class TrafficCounter(TorchDispatchMode):
     """Counts the PyTorch operations that compute and the bytes of their tensor operands (inputs
     read, outputs written), and the compiled kernels the DTN backends record. Custom ops of the
@@ -94,7 +99,12 @@ class TrafficCounter(TorchDispatchMode):
                 return inner(*args, **kwargs)
         out = func(*args, **kwargs)
         computes = any(torch.is_tensor(t) for t in tree_leaves(out))  # not promote_types
-        if computes and not func.is_view and func._opname not in self.ALLOCATIONS:
+        # an aliasing schema (contiguous, reshape: reached undecomposed inside the custom ops)
+        # copies where its output has a storage of its own
+        copies = func.is_view and torch.is_tensor(out) and not any(
+            _storage(out) == _storage(t) for t in tree_leaves(args) if torch.is_tensor(t))
+        if (computes and (copies or not func.is_view)
+                and func._opname not in self.ALLOCATIONS):
             moved = sum(t.numel() * t.element_size()
                         for t in tree_leaves((args, kwargs, out)) if torch.is_tensor(t))
             self.launches += 1

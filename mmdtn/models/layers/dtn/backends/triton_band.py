@@ -45,13 +45,13 @@ __all__ = ['BandFactor', 'band_matmul', 'band_outer', 'specializations']
 #: STAGES: steps over the band in flight; BLOCK_K (band_outer): values of the summed dimension
 #: per program.
 MATMUL_TILES = {
-    'matrices': dict(ROWS=16, BAND=32, BLOCK_N=128, STAGES=3, warps=4),
-    'transposed': dict(ROWS=16, BAND=32, BLOCK_N=128, STAGES=3, warps=4),
-    'tokens': dict(ROWS=16, BAND=32, BLOCK_N=64, STAGES=1, warps=4),
+    'matrices': dict(ROWS=16, BAND=32, BLOCK_N=128, STAGES=1, warps=4),
+    'transposed': dict(ROWS=16, BAND=16, BLOCK_N=256, STAGES=2, warps=8),
+    'tokens': dict(ROWS=16, BAND=16, BLOCK_N=64, STAGES=1, warps=4),
 }
 OUTER_TILES = {
-    'matrices': dict(ROWS=16, BLOCK_K=256, warps=4),
-    'tokens': dict(ROWS=16, BLOCK_K=256, warps=4),
+    'matrices': dict(ROWS=8, BLOCK_K=256, warps=4),
+    'tokens': dict(ROWS=8, BLOCK_K=256, warps=4),
 }
 #: Entries of P one step of the search for the band reads.
 SPAN_BLOCK = 64
