@@ -423,3 +423,32 @@ def test_kernels_compile_for_sm90_without_spills():
         assert r['arch'] == 90 and set(r) >= {'kernel', 'registers', 'spills', 'shared_bytes'}
         assert r['spills'] == 0 and r['shared_bytes'] <= 227 * 1024, r
         assert 0 < r['registers'] <= 255
+
+
+def test_tile_tuning_tool():
+    """tools/analysis/tune_band_tiles.py, in the interpreter on grids 20 times smaller, two
+    candidates per operand: every candidate's products equal the current tiles', the fastest of
+    each operand is marked, and the tables are printed as Python source; without the interpreter
+    its spill check compiles a candidate for sm_90 (no GPU)."""
+    out = subprocess.run([sys.executable, 'tools/analysis/tune_band_tiles.py', '--device', 'cpu',
+                          '--shrink', '20', '--candidates', '2', '--iters', '1', '--stages',
+                          'pvt_tiny:2', 'pvt_tiny:3'], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600, env={**os.environ, 'TRITON_INTERPRET': '1'})
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert 'not checked for spills (interpreter)' in text
+    for operand in ('matrices', 'transposed', 'tokens', 'outer matrices', 'outer tokens'):
+        section = text.split(f'\n{operand}\n')[1].split('\n\n')[0].splitlines()
+        assert len(section) == 2 and sum('<- fastest' in line for line in section) == 1, text
+        differences = [float(line.split('(difference ')[1].split(')')[0]) for line in section]
+        assert max(differences) < 1e-5, section
+    namespace = {}
+    exec(text[text.index('MATMUL_TILES = {'):], namespace)
+    assert set(namespace['MATMUL_TILES']) == {'matrices', 'transposed', 'tokens'}
+    assert set(namespace['OUTER_TILES']) == {'matrices', 'tokens'}
+    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
+    check = subprocess.run([sys.executable, '-c', 'import tune_band_tiles as t; '
+                            'print(t.spills("tokens", 90, "float16"))'],
+                           cwd=os.path.join(ROOT, 'tools', 'analysis'), env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert check.returncode == 0 and check.stdout.split()[-1] == '0', check.stderr[-3000:]

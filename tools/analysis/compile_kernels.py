@@ -24,20 +24,15 @@ import tempfile
 
 from tqdm import tqdm
 
-if os.environ.get('TRITON_INTERPRET') == '1':
-    sys.exit('compile_kernels.py compiles for GPUs: unset TRITON_INTERPRET')
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-import mmdtn  # noqa: E402,F401
-from mmdtn import DynamicTokenNorm  # noqa: E402
-from mmdtn.models.layers.dtn.backends import (  # noqa: E402
-    triton_band, triton_factors, triton_ratios)
-from mmdtn.models.layers.dtn.backends.triton_kernels import (  # noqa: E402
-    TOKEN_POINTERS, specializations)
+import mmdtn  # noqa: F401
+from mmdtn import DynamicTokenNorm
+from mmdtn.models.layers.dtn.backends import triton_band, triton_factors, triton_ratios
+from mmdtn.models.layers.dtn.backends.triton_kernels import TOKEN_POINTERS, specializations
 
 MODELS = {
     'pvt_tiny': ('PyramidVisionTransformerDTN', dict(num_layers=[2, 2, 2, 2])),
@@ -114,7 +109,19 @@ def resources(compiled, arch):
     return registers, spills, shared
 
 
+def compile_for(kernel, constexprs, warps, dtype, arch):
+    """Registers, spilled bytes and shared memory of ``kernel`` with ``constexprs`` and ``warps``
+    compiled for sm_<arch>, for tokens of ``dtype``."""
+    source = ASTSource(fn=kernel, signature=signature(kernel, constexprs, dtype),
+                       constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget('cuda', arch, 32),
+                              options=dict(num_warps=warps))
+    return resources(compiled, arch)
+
+
 def main():
+    if os.environ.get('TRITON_INTERPRET') == '1':
+        sys.exit('compile_kernels.py compiles for GPUs: unset TRITON_INTERPRET')
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--arch', type=int, nargs='+', default=[80, 90],
                         help='compute capabilities, e.g. 80 (A100) 90 (H100)')
@@ -147,11 +154,7 @@ def main():
     for arch in args.arch:
         for (name, _, warps, dtype), (kernel, constexprs, _, _) in tqdm(
                 sorted(jobs.items()), desc=f'sm_{arch}', disable=args.json):
-            src = ASTSource(fn=kernel, signature=signature(kernel, constexprs, dtype),
-                            constexprs=constexprs)
-            compiled = triton.compile(src, target=GPUTarget('cuda', arch, 32),
-                                      options=dict(num_warps=warps))
-            registers, spills, shared = resources(compiled, arch)
+            registers, spills, shared = compile_for(kernel, constexprs, warps, dtype, arch)
             rows.append(dict(kernel=name, arch=arch, dtype=dtype, num_warps=warps,
                              constexprs=constexprs, registers=registers, spills=spills,
                              shared_bytes=shared,

@@ -38,12 +38,12 @@ from .triton_kernels import _launch
 
 __all__ = ['BandFactor', 'band_matmul', 'band_outer', 'specializations']
 
-#: Tiles of the band products (README, "DTN on GPUs", for how they were chosen), by kernel and
-#: operand: ``matrices`` (X float32, P X), ``transposed`` (P^T X) and ``tokens`` (X the T of the
-#: tokens, formed in registers from a pointer each: more registers per column). ROWS: rows of P
-#: per program; BAND: columns of P per step over the band; BLOCK_N: columns of X per program;
-#: STAGES: steps over the band in flight; BLOCK_K (band_outer): values of the summed dimension
-#: per program.
+#: Tiles of the band products, chosen on an H200 by ``tools/analysis/tune_band_tiles.py`` (README,
+#: "DTN on GPUs"; on another GPU, run it and put its tables here), by kernel and operand:
+#: ``matrices`` (X float32, P X), ``transposed`` (P^T X) and ``tokens`` (X the T of the tokens,
+#: formed in registers from a pointer each). ROWS: rows of P per program; BAND: columns of P per
+#: step over the band; BLOCK_N: columns of X per program; STAGES: steps over the band in flight;
+#: BLOCK_K (band_outer): values of the summed dimension per program.
 MATMUL_TILES = {
     'matrices': dict(ROWS=16, BAND=32, BLOCK_N=128, STAGES=1, warps=4),
     'transposed': dict(ROWS=16, BAND=16, BLOCK_N=256, STAGES=2, warps=8),

@@ -1,0 +1,257 @@
+"""Time candidate tiles of the Triton backend's band products on a GPU and print the fastest for
+each operand, as ``MATMUL_TILES`` and ``OUTER_TILES`` of
+``mmdtn/models/layers/dtn/backends/triton_band.py``.
+
+The tiles there were chosen with this tool on an H200 (README, "DTN on GPUs"). On another GPU, run
+it and put the printed tables in their place.
+
+For every operand (``matrices``: P X, ``transposed``: P^T X, ``tokens``: P_x T read from the tokens,
+and the outer products of both kinds), each candidate is:
+
+1. compiled for the GPU's architecture without running (as ``compile_kernels.py``); candidates
+   that spill registers are left out;
+2. run on the DTN grids of the layer benchmark's stages (``benchmark_norm.STAGES``, batch 2), with
+   the positional factors of a layer at its initialisation; its products must equal those of the
+   first candidate (the current tiles) to 1e-4 of their largest value;
+3. timed: the best of 3 blocks of ``--iters`` calls, CUDA events.
+
+The fastest by the sum over the stages wins. Usage::
+
+    python tools/analysis/tune_band_tiles.py --device cuda [--stages pvt_tiny:3 swin_t:3]
+
+With ``TRITON_INTERPRET=1`` and ``--device cpu --shrink 20 --candidates 2`` it runs in Triton's
+interpreter on grids 20 times smaller (a check of the tool; the times mean nothing).
+"""
+import argparse
+import time
+
+import torch
+from tqdm import tqdm
+
+from benchmark_norm import DTYPES, selected_stages, stage_label
+from compile_kernels import compile_for
+from mmdtn import DynamicTokenNorm
+from mmdtn.models.layers.dtn import function
+from mmdtn.models.layers.dtn.backends import triton_band, triton_kernels
+from mmdtn.models.layers.dtn.backends.triton import interpreting
+from mmdtn.models.layers.dtn.grid import TokenGrid
+
+
+def matmul_tiles(rows, band, block_n, stages, warps):
+    return dict(ROWS=rows, BAND=band, BLOCK_N=block_n, STAGES=stages, warps=warps)
+
+
+def outer_tiles(rows, block_k, warps):
+    return dict(ROWS=rows, BLOCK_K=block_k, warps=warps)
+
+
+MATMUL_CANDIDATES = [
+    matmul_tiles(*t) for t in [
+        (16, 32, 128, 1, 4), (16, 32, 128, 3, 4), (16, 16, 128, 3, 4), (16, 32, 256, 3, 8),
+        (16, 32, 64, 3, 4), (32, 16, 128, 3, 4), (16, 16, 256, 2, 8), (16, 16, 128, 1, 4),
+        (16, 32, 64, 1, 4), (16, 16, 256, 1, 8), (8, 32, 128, 1, 4), (8, 16, 256, 2, 4)]]
+TOKENS_CANDIDATES = [
+    matmul_tiles(*t) for t in [
+        (16, 16, 64, 1, 4), (16, 32, 64, 1, 4), (32, 32, 64, 1, 4), (16, 32, 128, 1, 8),
+        (16, 32, 32, 1, 4), (32, 16, 64, 1, 4), (16, 16, 128, 1, 4), (8, 16, 64, 1, 4),
+        (16, 16, 32, 1, 4), (8, 16, 128, 1, 4), (8, 32, 64, 1, 4), (16, 16, 64, 2, 4)]]
+OUTER_CANDIDATES = [
+    outer_tiles(*t) for t in [
+        (8, 256, 4), (16, 256, 4), (16, 512, 4), (8, 512, 4), (8, 128, 4), (4, 256, 4),
+        (8, 512, 8), (16, 1024, 8), (4, 512, 4), (8, 1024, 8), (32, 256, 4), (16, 128, 4)]]
+#: Operand: (tile table, its key, candidates).
+OPERANDS = {
+    'matrices': ('MATMUL_TILES', 'matrices', MATMUL_CANDIDATES),
+    'transposed': ('MATMUL_TILES', 'transposed', MATMUL_CANDIDATES),
+    'tokens': ('MATMUL_TILES', 'tokens', TOKENS_CANDIDATES),
+    'outer matrices': ('OUTER_TILES', 'matrices', OUTER_CANDIDATES),
+    'outer tokens': ('OUTER_TILES', 'tokens', OUTER_CANDIDATES),
+}
+
+
+def set_tiles(operand, tiles):
+    table, key, _ = OPERANDS[operand]
+    getattr(triton_band, table)[key] = dict(tiles)
+
+
+def spec(operand):
+    """(kernel, constexprs, num_warps) of ``operand`` with the tiles now in the tables."""
+    if operand.startswith('outer'):
+        return triton_band._outer_spec(operand == 'outer tokens')
+    return triton_band._matmul_spec(operand == 'transposed', operand == 'tokens')
+
+
+def spills(operand, arch, dtype):
+    """Bytes spilled by ``operand``'s kernel with the current tiles, compiled for sm_<arch>; None
+    in Triton's interpreter, whose kernels do not compile."""
+    if interpreting():
+        return None
+    return compile_for(*spec(operand), dtype, arch)[1]
+
+
+class StageProducts:
+    """The band products of one DTN stage grid (batch ``batch``, tokens of ``dtype``), as the
+    layer runs them, with the factors of a layer at its initialisation."""
+
+    def __init__(self, C, H, W, pool, heads, batch, dtype, device):
+        torch.manual_seed(0)
+        norm = DynamicTokenNorm(C, heads, pool_size=pool).to(device)
+        with torch.no_grad():
+            p_y, p_x = (p.contiguous() for p in norm.axis_matrices((H, W)))
+        self.grid = grid = TokenGrid(batch, H, W, C, heads, pool)
+        x = torch.randn(batch, H * W, C, device=device).to(dtype)
+        centre = triton_kernels.sample_centre(x)
+        self.pooled = grid.pooled
+        self.T = (triton_kernels.moments(x, centre, grid) if grid.pooled
+                  else function.TokenMoments(x, centre, grid))
+        self.factor_y, self.factor_x = triton_band.BandFactor(p_y), triton_band.BandFactor(p_x)
+        self.u, m = function.positional_products(self.T, self.factor_y, self.factor_x, grid,
+                                                 variance=False)
+        self.dm = torch.randn_like(m)
+        self.du = function.rows_backward(self.dm, self.factor_y, grid)
+
+    def calls(self, operand):
+        """The products of this grid that run on ``operand``'s kernel."""
+        grid, T = self.grid, self.T
+        row_products = lambda: function.row_products(T, self.factor_x, grid)  # noqa: E731
+        if operand == 'tokens':
+            return [] if self.pooled else [row_products]
+        if operand == 'matrices':
+            rows = [lambda: self.factor_y.matmul(function.by_rows(self.u, grid))]
+            return rows + ([row_products] if self.pooled else [])
+        if operand == 'transposed':
+            return [lambda: function.rows_backward(self.dm, self.factor_y, grid),
+                    lambda: self.factor_x.matmul(self.du, transpose=True)]
+        outer_x = lambda: self.factor_x.outer(self.du, function.by_columns(T, grid))  # noqa
+        if operand == 'outer tokens':
+            return [] if self.pooled else [outer_x]
+        outer_y = lambda: self.factor_y.outer(function.by_rows(self.dm, grid),  # noqa: E731
+                                              function.by_rows(self.u, grid))
+        return [outer_y] + ([outer_x] if self.pooled else [])
+
+
+def run(calls):
+    return [call() for call in calls]
+
+
+def timed(calls, device, iters):
+    """Microseconds per call of all ``calls``: the best of 3 blocks of ``iters``."""
+    run(calls)
+    if device.type != 'cuda':
+        start = time.perf_counter()
+        run(calls)
+        return (time.perf_counter() - start) * 1e6
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float('inf')
+    for _ in range(3):
+        start.record()
+        for _ in range(iters):
+            run(calls)
+        end.record()
+        torch.cuda.synchronize(device)
+        best = min(best, start.elapsed_time(end) * 1000 / iters)
+    return best
+
+
+def largest_difference(results, references):
+    return max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+               for a, b in zip(results, references))
+
+
+def candidates(operand, count):
+    """The current tiles of ``operand``, then the other candidates: ``count`` in all (or all)."""
+    table, key, listed = OPERANDS[operand]
+    current = dict(getattr(triton_band, table)[key])
+    return ([current] + [c for c in listed if c != current])[:count]
+
+
+def tune(operand, stages, device, arch, dtype, iters, count, progress):
+    """Rows (tiles, total us or None where it spills, us per stage, difference) of the candidates
+    of ``operand``, and the fastest; its tiles are left in the table."""
+    references = {label: [t.clone() for t in run(s.calls(operand))] for label, s in stages.items()}
+    rows = []
+    for tiles in candidates(operand, count):
+        set_tiles(operand, tiles)
+        progress.update()
+        if spills(operand, arch, dtype):
+            rows.append((tiles, None, [], None))
+            continue
+        times, difference = [], 0.0
+        for label, s in stages.items():
+            calls = s.calls(operand)
+            if calls:
+                difference = max(difference, largest_difference(run(calls), references[label]))
+                times.append(timed(calls, device, iters))
+        rows.append((tiles, sum(times), times, difference))
+    valid = [r for r in rows if r[1] is not None and r[3] < 1e-4]
+    best = min(valid, key=lambda r: r[1])[0]
+    set_tiles(operand, best)
+    return rows, best
+
+
+def tables_literal():
+    """MATMUL_TILES and OUTER_TILES as Python source."""
+    lines = []
+    for table in ('MATMUL_TILES', 'OUTER_TILES'):
+        lines.append(f'{table} = {{')
+        for key, tiles in getattr(triton_band, table).items():
+            text = ', '.join(f'{k}={v}' for k, v in tiles.items())
+            lines.append(f"    '{key}': dict({text}),")
+        lines.append('}')
+    return '\n'.join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--device', default='cuda')
+    parser.add_argument('--stages', nargs='+', default=None, metavar='MODEL:STAGE',
+                        help='stages of the layer benchmark, e.g. pvt_tiny:3 (default: all)')
+    parser.add_argument('--dtype', default='float16', choices=sorted(DTYPES))
+    parser.add_argument('--batch', type=int, default=2)
+    parser.add_argument('--iters', type=int, default=10)
+    parser.add_argument('--candidates', type=int, default=None,
+                        help='only the first N candidates of every operand')
+    parser.add_argument('--shrink', type=int, default=1,
+                        help='divide H and W of every grid by this (interpreter checks)')
+    parser.add_argument('--arch', type=int, default=None,
+                        help='compute capability of the spill check (default: the GPU\'s)')
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    arch = args.arch or (90 if device.type != 'cuda' else
+                         10 * torch.cuda.get_device_capability(device)[0] +
+                         torch.cuda.get_device_capability(device)[1])
+    chosen = selected_stages(parser, args.stages)
+    stages = {}
+    for model, stage, C, H, W, pool, heads in chosen:
+        H, W = max(1, H // args.shrink), max(1, W // args.shrink)
+        stages[stage_label(model, stage, C, H, W, pool)] = StageProducts(
+            C, H, W, pool, heads, args.batch, DTYPES[args.dtype], device)
+    name = torch.cuda.get_device_name(device) if device.type == 'cuda' else device.type
+    count = args.candidates
+    progress = tqdm(total=sum(len(candidates(operand, count)) for operand in OPERANDS),
+                    desc='candidates')
+    report = []
+    for operand in OPERANDS:
+        rows, best = tune(operand, stages, device, arch, args.dtype, args.iters, count, progress)
+        report.append((operand, rows, best))
+    progress.close()
+    checked = 'not checked for spills (interpreter)' if interpreting() else f'sm_{arch}'
+    print(f'\nBand products on {name} ({checked}), {args.dtype} tokens, batch {args.batch}: '
+          f'us per call of each stage\'s products, best of 3 x {args.iters}')
+    print('stages: ' + ', '.join(stages))
+    for operand, rows, best in report:
+        print(f'\n{operand}')
+        for tiles, total, times, difference in rows:
+            shown = ', '.join(f'{k}={v}' for k, v in tiles.items())
+            if total is None:
+                print(f'  {shown:<54} spills on sm_{arch}')
+                continue
+            mark = '  <- fastest' if tiles == best else ''
+            print(f'  {shown:<54} {total:9.1f} us = ' + ' + '.join(f'{t:.1f}' for t in times)
+                  + f'  (difference {difference:.1e}){mark}')
+    print('\n' + tables_literal())
+
+
+if __name__ == '__main__':
+    main()
