@@ -15,7 +15,7 @@ from ..gates import channel_ratios
 from ..positional import axis_factors
 
 __all__ = ['Backend', 'DenseFactor', 'per_head', 'KernelLaunch', 'recording_launches',
-           'record_launch', 'RecordedKernels']
+           'recording', 'record_launch', 'RecordedKernels']
 
 
 class Backend:
@@ -176,6 +176,11 @@ def recording_launches():
         _records.remove(launches)
 
 
+def recording():
+    """Whether launches are being recorded (count the bytes of a launch only then)."""
+    return bool(_records)
+
+
 def record_launch(name, read, written):
     """Notes a launch of ``name`` reading and writing the given numbers of bytes, if recording."""
     if _records:
@@ -208,7 +213,7 @@ class RecordedKernels:
 
         def call(**kwargs):
             out = fn(**kwargs)
-            if _records:
+            if recording():
                 results = out if isinstance(out, (list, tuple)) else [out]
                 written = _tensor_bytes(results) + _tensor_bytes(kwargs[k] for k in in_place)
                 read = _tensor_bytes(v for k, v in kwargs.items() if k not in destinations)

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import record_launch
+from .base import record_launch, recording
 
 __all__ = ['sample_centre', 'moments', 'output', 'token_gradients', 'input_gradient',
            'specializations', 'TOKEN_POINTERS']
@@ -76,7 +76,8 @@ def _launch(name, spec, grid, reads, writes, *args):
     """Records the launch of ``spec`` = (kernel, constexprs, num_warps) and, unless the tensors
     are meta tensors (traffic counts only), launches it."""
     kernel, constexprs, num_warps = spec
-    record_launch(name, _bytes(*reads), _bytes(*writes))
+    if recording():
+        record_launch(name, _bytes(*reads), _bytes(*writes))
     if reads[0].device.type != 'meta':
         kernel[grid](*args, **constexprs, num_warps=num_warps)
 
