@@ -20,9 +20,9 @@ Shapes: the stages of PVT-Tiny and of Swin-T for an 800 x 1344 input (B = 2; PVT
    within every repeat; wall-clock time, or with ``--clock cpu`` the CPU time of the process.
    On CUDA also the time of the GPU alone, with calls queued back to back, and the host's time to
    issue a call (:func:`gpu_seconds`): one call's wall-clock time is mostly launch overhead at
-   these sizes. With ``--compile`` every
-   DTN backend is also timed under ``torch.compile`` (inductor, a static graph per stage shape,
-   compiled in the warm-up), where the 'torch' backend's passes run as generated fused kernels.
+   these sizes. With ``--compile`` every DTN backend is also timed under ``torch.compile``
+   (inductor, a static graph per stage shape, compiled in the warm-up), where the 'torch'
+   backend's passes run as generated fused kernels.
    Beside them, how far every DTN's y and dx are from those of the ``torch`` backend on the same
    tokens in float32 (the largest difference over the largest value): on a GPU, a check of the
    compiled kernels at the models' own shapes.
@@ -429,6 +429,12 @@ def kernels_table(args, device, names, progress):
         progress.update()
 
 
+def add_stages_argument(parser):
+    """``--stages MODEL:STAGE ...``, the rows of STAGES to run (:func:`selected_stages`)."""
+    parser.add_argument('--stages', nargs='+', default=None, metavar='MODEL:STAGE',
+                        help='only these stages, e.g. pvt_tiny:1 swin_t:3 (default: all)')
+
+
 def selected_stages(parser, chosen):
     """The rows of STAGES named ``model:stage`` in ``chosen`` (all if None)."""
     if chosen is None:
@@ -450,8 +456,7 @@ def main():
                         choices=['traffic', 'model', 'time', 'kernels'],
                         help='kernels: the largest kernels (CUDA) or operations (CPU) of every '
                         'layer, from torch.profiler (not in the default)')
-    parser.add_argument('--stages', nargs='+', default=None, metavar='MODEL:STAGE',
-                        help='only these stages, e.g. pvt_tiny:1 swin_t:3 (default: all)')
+    add_stages_argument(parser)
     parser.add_argument('--dtype', default='float32', choices=sorted(DTYPES),
                         help='dtype of the tokens (the parameters stay float32)')
     parser.add_argument('--threads', type=int, default=None, help='torch CPU threads')

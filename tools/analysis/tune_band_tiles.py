@@ -28,7 +28,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from benchmark_norm import DTYPES, selected_stages, stage_label
+from benchmark_norm import DTYPES, add_stages_argument, selected_stages, stage_label
 from compile_kernels import compile_for
 from mmdtn import DynamicTokenNorm
 from mmdtn.models.layers.dtn import function
@@ -205,8 +205,7 @@ def tables_literal():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--device', default='cuda')
-    parser.add_argument('--stages', nargs='+', default=None, metavar='MODEL:STAGE',
-                        help='stages of the layer benchmark, e.g. pvt_tiny:3 (default: all)')
+    add_stages_argument(parser)
     parser.add_argument('--dtype', default='float16', choices=sorted(DTYPES))
     parser.add_argument('--batch', type=int, default=2)
     parser.add_argument('--iters', type=int, default=10)
@@ -218,9 +217,8 @@ def main():
                         help='compute capability of the spill check (default: the GPU\'s)')
     args = parser.parse_args()
     device = torch.device(args.device)
-    arch = args.arch or (90 if device.type != 'cuda' else
-                         10 * torch.cuda.get_device_capability(device)[0] +
-                         torch.cuda.get_device_capability(device)[1])
+    major, minor = torch.cuda.get_device_capability(device) if device.type == 'cuda' else (9, 0)
+    arch = args.arch or 10 * major + minor
     chosen = selected_stages(parser, args.stages)
     stages = {}
     for model, stage, C, H, W, pool, heads in chosen:

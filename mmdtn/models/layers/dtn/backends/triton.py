@@ -84,9 +84,8 @@ class TritonBackend(Backend):
 
     def statistics(self, x, grid, convention):
         centre = kernels.sample_centre(x)
-        if not grid.pooled:
-            return TokenStatistics(None, None, centre, None, None, TokenMoments(x, centre, grid))
-        T = kernels.moments(x, centre, grid, convention.square_of_pooled)
+        T = (kernels.moments(x, centre, grid, convention.square_of_pooled) if grid.pooled
+             else self.token_moments(x, centre, grid))
         return TokenStatistics(None, None, centre, None, None, T)
 
     @staticmethod
