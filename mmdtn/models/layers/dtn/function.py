@@ -36,8 +36,8 @@ from .grid import TokenGrid
 
 __all__ = ['no_autocast', 'TokenStatistics', 'TokenMoments', 'Saved', 'Gradients', 'dtn_forward',
            'dtn_backward', 'inter_token_statistics', 'ln_statistics', 'ln_gradient',
-           'define_traced_function', 'define_custom_ops', 'define_parameter_op', 'watched',
-           'CUSTOM_OP_IMPLEMENTATIONS']
+           'FormedParameters', 'define_traced_function', 'define_custom_ops', 'define_parameter_op',
+           'watched', 'CUSTOM_OP_IMPLEMENTATIONS']
 
 
 #: Whether autocast exists on a device type (not on 'meta'), asked once per type outside of
@@ -91,41 +91,45 @@ class TokenMoments:
 class Saved:
     """What the backward pass keeps besides the inputs: the per-token statistics (None for a
     backend that forms Eq. 2 again wherever it reads a token: ``keeps_token_statistics``) and the
-    centre; with pooling also the (small) moments T and products m, which without pooling are as
-    large as x and are recomputed."""
+    centre; with pooling also the (small) moments T and products u = P_x T and m = P_y u, which
+    without pooling are as large as x and are recomputed."""
 
     mean_ln: Optional[Tensor]
     var_ln: Optional[Tensor]
     centre: Tensor
     moments: Optional[Tensor] = None
+    row_products: Optional[Tensor] = None
     products: Optional[Tensor] = None
 
+    #: how many tensors :meth:`tensors` gives
+    COUNT = 6
+
     def tensors(self):
-        """The five tensors, empty ones standing for None (custom ops return no None)."""
+        """The six tensors, empty ones standing for None (custom ops return no None)."""
         def given(t):
             return self.centre.new_empty(0) if t is None else t
 
         return [given(self.mean_ln), given(self.var_ln), self.centre, given(self.moments),
-                given(self.products)]
+                given(self.row_products), given(self.products)]
 
     @classmethod
     def from_tensors(cls, tensors, grid):
-        mean_ln, var_ln, centre, moments, products = tensors
+        mean_ln, var_ln, centre, moments, row_products, products = tensors
         if not grid.pooled:
-            moments = products = None
+            moments = row_products = products = None
         if mean_ln.numel() == 0:  # never a real grid's: it has at least one token
             mean_ln = var_ln = None
-        return cls(mean_ln, var_ln, centre, moments, products)
+        return cls(mean_ln, var_ln, centre, moments, row_products, products)
 
     @staticmethod
     def fake_tensors(x, grid, dtype, token_statistics=True):
         """Empty tensors of the shapes :meth:`tensors` has for ``grid`` (fake implementations);
         ``token_statistics``: whether the backend keeps Eq. 2 per token."""
-        cells = (grid.column_major, grid.head_major) if grid.pooled else ((0, ), (0, ))
+        T, u = (grid.column_major, grid.head_major) if grid.pooled else ((0, ), (0, ))
         tokens = (grid.B, grid.N, 1) if token_statistics else (0, )
         return [x.new_empty(tokens, dtype=dtype), x.new_empty(tokens, dtype=dtype),
-                x.new_empty(grid.B, 1, 1, grid.C, dtype=dtype), x.new_empty(cells[0], dtype=dtype),
-                x.new_empty(cells[1], dtype=dtype)]
+                x.new_empty(grid.B, 1, 1, grid.C, dtype=dtype), x.new_empty(T, dtype=dtype),
+                x.new_empty(u, dtype=dtype), x.new_empty(u, dtype=dtype)]
 
 
 @dataclass
@@ -158,12 +162,12 @@ def _forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
     stats = backend.statistics(x, grid, convention)
     factor_y, factor_x = backend.factor(p_y), backend.factor(p_x)
     T = moments(stats, grid)
-    _, m = positional_products(T, factor_y, factor_x, grid, not backend.raw_second_moment)
+    u, m = positional_products(T, factor_y, factor_x, grid, not backend.raw_second_moment)
     n_var = convention.ln_divisor(grid.C)
     y = backend.output(x, stats, m, ratios, weight, bias, eps, n_var, grid)
     if not grid.pooled:
         return y, Saved(stats.mean_ln, stats.var_ln, stats.centre)
-    return y, Saved(stats.mean_ln, stats.var_ln, stats.centre, T, m)
+    return y, Saved(stats.mean_ln, stats.var_ln, stats.centre, T, u, m)
 
 
 def dtn_backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convention):
@@ -181,8 +185,7 @@ def _backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convent
         return Gradients(dx, grad_p_y, grad_p_x, *backend.parameter_gradients(sums))
     factor_y, factor_x = backend.factor(p_y), backend.factor(p_x)
     if grid.pooled:
-        T, m = saved.moments, saved.products
-        u = row_products(T, factor_x, grid)
+        T, u, m = saved.moments, saved.row_products, saved.products
     else:  # T = (x - centre, its square), u and m recomputed
         T = backend.token_moments(x, saved.centre, grid)
         u, m = positional_products(T, factor_y, factor_x, grid)
@@ -309,43 +312,95 @@ def _convention(unbiased_ln_var, square_of_pooled):
     return StatisticsConvention(unbiased_ln_var=unbiased_ln_var, square_of_pooled=square_of_pooled)
 
 
-def define_traced_function(backend):
-    """DTN over a backend whose passes PyTorch can trace (no custom ops) as an autograd Function:
-    forward and the hand-written backward both run as PyTorch operations, which ``torch.compile``
-    (including ``fullgraph=True``), ``torch.export`` and ``torch.jit.trace`` follow. Arguments
-    other than tensors are plain numbers, which every tracer records.
+class FormedParameters:
+    """What a layer's differentiable core takes besides x, the weight and the bias: the positional
+    factors P_y, P_x and the channel ratios (4, C), formed before it is called (by PyTorch
+    operations, which autograd records). A backend that forms them in its own kernels passes a
+    subclass to :func:`define_traced_function` or :func:`define_custom_ops`, whose core then
+    takes the layer's own parameters (a^h and the gates) and forms them inside, so that a layer
+    is one autograd node and one custom op each way (the Triton backend's)."""
+
+    def form(self, p_y, p_x, ratios, grid, layernorm):
+        """(P_y, P_x, ratios) from the three parameter inputs of the core."""
+        return p_y, p_x, ratios
+
+    def kept(self, p_y, p_x, ratios):
+        """What backward needs of :meth:`form`'s results besides the inputs (new tensors)."""
+        return []
+
+    def fake_kept(self, inputs, grid):
+        """Empty tensors shaped as :meth:`kept` (fake implementations)."""
+        return []
+
+    def formed(self, inputs, kept):
+        """(P_y, P_x, ratios) again in backward, from the inputs and :meth:`kept`."""
+        return inputs
+
+    def gradients(self, inputs, formed, grads, grid, layernorm):
+        """The gradients of the three parameter inputs from the :class:`Gradients` ``grads``."""
+        return grads.p_y, grads.p_x, grads.ratios
+
+
+FORMED = FormedParameters()
+
+
+def _layer_forward(backend, parameters, x, inputs, weight, bias, grid, eps, convention,
+                   layernorm):
+    """y and the tensors backward keeps besides x, the parameter inputs and the weight."""
+    p_y, p_x, ratios = parameters.form(*inputs, grid, layernorm)
+    y, saved = dtn_forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps, convention)
+    return y, [*saved.tensors(), *parameters.kept(p_y, p_x, ratios)]
+
+
+def _layer_backward(backend, parameters, grad, x, inputs, weight, kept, grid, eps, convention,
+                    layernorm):
+    """The gradients of x, the three parameter inputs, the weight and the bias."""
+    saved = Saved.from_tensors(kept[:Saved.COUNT], grid)
+    formed = parameters.formed(inputs, kept[Saved.COUNT:])
+    grads = dtn_backward(backend, grad, x, *formed, weight, saved, grid, eps, convention)
+    return [grads.x, *parameters.gradients(inputs, formed, grads, grid, layernorm), grads.weight,
+            grads.bias]
+
+
+def define_traced_function(backend, parameters=FORMED):
+    """DTN over a backend's passes as an autograd Function: forward and the hand-written backward
+    both run as the backend's Python, and for a backend whose passes PyTorch can trace (no custom
+    ops) ``torch.compile`` (including ``fullgraph=True``), ``torch.export`` and
+    ``torch.jit.trace`` follow them. Arguments other than tensors are plain numbers, which every
+    tracer records.
 
     Returns:
-        callable: ``apply(x, p_y, p_x, ratios, weight, bias, grid, eps, convention) -> y``.
+        callable: ``apply(x, p_y, p_x, ratios, weight, bias, grid, eps, convention,
+        layernorm=False) -> y``, with the three parameter inputs of ``parameters``
+        (:class:`FormedParameters`).
     """
 
     class TracedDynamicTokenNorm(torch.autograd.Function):
 
         @staticmethod
-        def forward(ctx, x, p_y, p_x, ratios, weight, bias, H, W, pool, heads, eps,
-                    unbiased_ln_var, square_of_pooled):
+        def forward(ctx, x, a, b, c, weight, bias, H, W, pool, heads, eps, unbiased_ln_var,
+                    square_of_pooled, layernorm):
             grid = TokenGrid(x.shape[0], H, W, x.shape[2], heads, pool)
             convention = _convention(unbiased_ln_var, square_of_pooled)
-            y, saved = dtn_forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps,
-                                   convention)
-            ctx.save_for_backward(x, p_y, p_x, ratios, weight, *saved.tensors())
-            ctx.grid, ctx.eps, ctx.convention = grid, eps, convention
+            y, kept = _layer_forward(backend, parameters, x, (a, b, c), weight, bias, grid, eps,
+                                     convention, layernorm)
+            ctx.save_for_backward(x, a, b, c, weight, *kept)
+            ctx.grid, ctx.eps, ctx.convention, ctx.layernorm = grid, eps, convention, layernorm
             return y
 
         @staticmethod
         @torch.autograd.function.once_differentiable
         def backward(ctx, grad_y):
-            x, p_y, p_x, ratios, weight, *saved = ctx.saved_tensors
-            saved = Saved.from_tensors(saved, ctx.grid)
-            grads = dtn_backward(backend, grad_y.to(x.dtype).contiguous(), x, p_y, p_x, ratios,
-                                 weight, saved, ctx.grid, ctx.eps, ctx.convention)
-            return (*grads.tensors(), None, None, None, None, None, None, None)
+            x, a, b, c, weight, *kept = ctx.saved_tensors
+            grads = _layer_backward(backend, parameters, grad_y.to(x.dtype).contiguous(), x,
+                                    (a, b, c), weight, kept, ctx.grid, ctx.eps, ctx.convention,
+                                    ctx.layernorm)
+            return (*grads, None, None, None, None, None, None, None, None)
 
-    def apply(x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
-        return TracedDynamicTokenNorm.apply(x, p_y, p_x, ratios, weight, bias, grid.H, grid.W,
-                                            grid.pool, grid.heads, eps,
-                                            convention.unbiased_ln_var,
-                                            convention.square_of_pooled)
+    def apply(x, a, b, c, weight, bias, grid, eps, convention, layernorm=False):
+        return TracedDynamicTokenNorm.apply(x, a, b, c, weight, bias, grid.H, grid.W, grid.pool,
+                                            grid.heads, eps, convention.unbiased_ln_var,
+                                            convention.square_of_pooled, layernorm)
 
     return apply
 
@@ -423,64 +478,64 @@ def define_parameter_op(name, forward, backward, fake, fake_backward, save, tens
     return apply
 
 
-def define_custom_ops(backend, name):
+def define_custom_ops(backend, name, parameters=FORMED):
     """``torch.library`` custom ops ``mmdtn::dtn_<name>_forward`` and ``..._backward`` running DTN
     over ``backend``'s compiled passes, with fake implementations and registered autograd; in
     eager calls (:func:`watched`) the same passes run in :func:`define_traced_function`'s Function.
 
     Returns:
-        callable: ``apply(x, p_y, p_x, ratios, weight, bias, grid, eps, convention) -> y``.
+        callable: ``apply(x, p_y, p_x, ratios, weight, bias, grid, eps, convention,
+        layernorm=False) -> y``, with the three parameter inputs of ``parameters``
+        (:class:`FormedParameters`).
     """
 
-    def run_forward(x: Tensor, p_y: Tensor, p_x: Tensor, ratios: Tensor, weight: Tensor,
-                    bias: Tensor, H: int, W: int, pool: int, heads: int, eps: float,
-                    unbiased_ln_var: bool, square_of_pooled: bool) -> list[Tensor]:
+    def run_forward(x: Tensor, a: Tensor, b: Tensor, c: Tensor, weight: Tensor, bias: Tensor,
+                    H: int, W: int, pool: int, heads: int, eps: float, unbiased_ln_var: bool,
+                    square_of_pooled: bool, layernorm: bool) -> list[Tensor]:
         grid = TokenGrid(x.shape[0], H, W, x.shape[2], heads, pool)
-        y, saved = dtn_forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps,
-                               _convention(unbiased_ln_var, square_of_pooled))
-        return [y, *saved.tensors()]
+        y, kept = _layer_forward(backend, parameters, x, (a, b, c), weight, bias, grid, eps,
+                                 _convention(unbiased_ln_var, square_of_pooled), layernorm)
+        return [y, *kept]
 
     names = f'mmdtn::dtn_{name}_forward', f'mmdtn::dtn_{name}_backward'
     forward = torch.library.custom_op(names[0], mutates_args=())(run_forward)
 
     @forward.register_fake
-    def _(x, p_y, p_x, ratios, weight, bias, H, W, pool, heads, eps, unbiased_ln_var,
-          square_of_pooled):
+    def _(x, a, b, c, weight, bias, H, W, pool, heads, *options):
         grid = TokenGrid(x.shape[0], H, W, x.shape[2], heads, pool)
         return [torch.empty_like(x), *Saved.fake_tensors(x, grid, weight.dtype,
-                                                         backend.keeps_token_statistics)]
+                                                         backend.keeps_token_statistics),
+                *parameters.fake_kept((a, b, c), grid)]
 
-    def run_backward(grad: Tensor, x: Tensor, p_y: Tensor, p_x: Tensor, ratios: Tensor,
-                     weight: Tensor, mean_ln: Tensor, var_ln: Tensor, centre: Tensor,
-                     moments: Tensor, products: Tensor, H: int, W: int, pool: int, heads: int,
-                     eps: float, unbiased_ln_var: bool, square_of_pooled: bool) -> list[Tensor]:
+    def run_backward(grad: Tensor, x: Tensor, a: Tensor, b: Tensor, c: Tensor, weight: Tensor,
+                     kept: list[Tensor], H: int, W: int, pool: int, heads: int, eps: float,
+                     unbiased_ln_var: bool, square_of_pooled: bool,
+                     layernorm: bool) -> list[Tensor]:
         grid = TokenGrid(x.shape[0], H, W, x.shape[2], heads, pool)
-        saved = Saved.from_tensors([mean_ln, var_ln, centre, moments, products], grid)
-        grads = dtn_backward(backend, grad, x, p_y, p_x, ratios, weight, saved, grid, eps,
-                             _convention(unbiased_ln_var, square_of_pooled))
-        return grads.tensors()
+        return _layer_backward(backend, parameters, grad, x, (a, b, c), weight, kept, grid, eps,
+                               _convention(unbiased_ln_var, square_of_pooled), layernorm)
 
     backward = torch.library.custom_op(names[1], mutates_args=())(run_backward)
 
     @backward.register_fake
-    def _(grad, x, p_y, p_x, ratios, weight, *args):
-        return [torch.empty_like(t) for t in (x, p_y, p_x, ratios, weight, weight)]
+    def _(grad, x, a, b, c, weight, *args):
+        return [torch.empty_like(t) for t in (x, a, b, c, weight, weight)]
 
     def setup_context(ctx, inputs, output):
-        x, p_y, p_x, ratios, weight, _, *options = inputs
-        ctx.save_for_backward(x, p_y, p_x, ratios, weight, *output[1:])
+        x, a, b, c, weight, _, *options = inputs
+        ctx.save_for_backward(x, a, b, c, weight, *output[1:])
         ctx.options = options
-        # the saved statistics are outputs for save_for_backward only: no gradients flow into
-        # them, and none are filled with zeros for the backward pass
+        # the kept tensors are outputs for save_for_backward only: no gradients flow into them,
+        # and none are filled with zeros for the backward pass
         ctx.mark_non_differentiable(*output[1:])
         ctx.set_materialize_grads(False)
 
     def differentiate(ctx, grads):
-        x, p_y, p_x, ratios, weight, *saved = ctx.saved_tensors
+        x, a, b, c, weight, *kept = ctx.saved_tensors
         if grads[0] is None:  # y takes no part in the loss
             return (None, ) * (6 + len(ctx.options))
         grad = grads[0].to(x.dtype).contiguous()
-        result = backward(grad, x, p_y, p_x, ratios, weight, *saved, *ctx.options)
+        result = backward(grad, x, a, b, c, weight, kept, *ctx.options)
         return (*result, *([None] * len(ctx.options)))
 
     forward.register_autograd(differentiate, setup_context=setup_context)
@@ -491,13 +546,13 @@ def define_custom_ops(backend, name):
         H, W, pool, heads = args[5:9]
         return 2 * dtn_flops(x_shape[0], x_shape[2], heads, (H, W), pool)
 
-    eager = define_traced_function(backend)
+    eager = define_traced_function(backend, parameters)
 
-    def apply(x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
+    def apply(x, a, b, c, weight, bias, grid, eps, convention, layernorm=False):
         if not watched(x):
-            return eager(x, p_y, p_x, ratios, weight, bias, grid, eps, convention)
-        return forward(x, p_y, p_x, ratios, weight, bias, grid.H, grid.W, grid.pool, grid.heads,
-                       eps, convention.unbiased_ln_var, convention.square_of_pooled)[0]
+            return eager(x, a, b, c, weight, bias, grid, eps, convention, layernorm)
+        return forward(x, a, b, c, weight, bias, grid.H, grid.W, grid.pool, grid.heads, eps,
+                       convention.unbiased_ln_var, convention.square_of_pooled, layernorm)[0]
 
     CUSTOM_OP_IMPLEMENTATIONS.update(zip(names, (run_forward, run_backward)))
     return apply

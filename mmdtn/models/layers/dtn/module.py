@@ -217,9 +217,9 @@ class DynamicTokenNorm(nn.Module):
             backend = select_backend(x, grid, dtype)
             xc = x if x.dtype in backend.input_dtypes else x.to(dtype)
             xc = self._prepare(xc).contiguous()
-            p_y, p_x = self.axis_matrices(hw_shape, dtype, backend)
-            ratios = self._channel_ratios(dtype, backend)
-            y = backend.apply(xc, p_y, p_x, ratios, weight, bias, grid, self.eps, self.convention)
+            gates = tuple(gate.to(dtype) for gate in self.gates)
+            y = backend.apply(xc, self.pos_coef.to(dtype), gates, weight, bias, grid, self.eps,
+                              self.convention, self.init == 'layernorm')
         return y.to(x.dtype)
 
     # ------------------------------------------------------------------ internals
@@ -255,12 +255,11 @@ class DynamicTokenNorm(nn.Module):
         """lambda of a gate parameter: sigmoid(logit), or 1 - tanh|u| with ``init='layernorm'``."""
         return 1 - share_of_distance(gate) if self.init == 'layernorm' else torch.sigmoid(gate)
 
-    def _channel_ratios(self, dtype, backend=None):
-        """Per-channel (lambda_mean, 1 - lambda_mean, lambda_var, 1 - lambda_var), shape (4, C),
-        formed by ``backend`` where given (:func:`.gates.channel_ratios`)."""
+    def _channel_ratios(self, dtype):
+        """Per-channel (lambda_mean, 1 - lambda_mean, lambda_var, 1 - lambda_var), shape (4, C)
+        (:func:`.gates.channel_ratios`)."""
         d = self.num_features // self.num_heads
-        ratios = channel_ratios if backend is None else backend.channel_ratios
-        return ratios(*self.gates, d, self.init == 'layernorm', dtype)
+        return channel_ratios(*self.gates, d, self.init == 'layernorm', dtype)
 
     # ------------------------------------------------------------------ checkpoints: gates
     def adapt_gates(self, state_dict, prefix=''):

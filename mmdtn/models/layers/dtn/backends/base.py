@@ -42,9 +42,20 @@ class Backend:
         :attr:`input_dtypes` to ``dtype`` before the call."""
         raise NotImplementedError
 
-    def apply(self, x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
-        """DTN of x (differentiable with respect to every tensor argument)."""
-        raise NotImplementedError
+    def apply(self, x, pos_coef, gates, weight, bias, grid, eps, convention, layernorm):
+        """DTN of x from the layer's parameters: the coefficients a^h (heads, 3), the ``gates``
+        (mean, variance; logits, or with ``layernorm`` distances from LayerNorm), the weight and
+        the bias, all in the computation dtype; differentiable with respect to every tensor.
+        Unless the backend forms them itself, P_y, P_x and the ratios come from
+        :meth:`axis_factors` and :meth:`channel_ratios` and the passes run in :attr:`normalize`."""
+        p_y, p_x = self.axis_factors(pos_coef, grid.Hp, grid.Wp)
+        ratios = self.channel_ratios(*gates, grid.d, layernorm, weight.dtype)
+        return self.normalize(x, p_y, p_x, ratios, weight, bias, grid, eps, convention)
+
+    #: ``normalize(x, p_y, p_x, ratios, weight, bias, grid, eps, convention) -> y``, the passes
+    #: made differentiable (:func:`..function.define_traced_function` or
+    #: :func:`..function.define_custom_ops`), set by each backend
+    normalize = None
 
     # the passes of function.dtn_forward and function.dtn_backward
     def statistics(self, x, grid, convention):

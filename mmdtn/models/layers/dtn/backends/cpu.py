@@ -80,7 +80,7 @@ class CpuBackend(Backend):
     devices = ('cpu', )
 
     def __init__(self):
-        self.apply = define_custom_ops(self, 'cpu')
+        self.normalize = define_custom_ops(self, 'cpu')
 
     def supports(self, x, grid, dtype):
         if kernels is None:

@@ -20,7 +20,7 @@ class PyTorchBackend(Backend):
     name = 'torch'
 
     def __init__(self):
-        self.apply = define_traced_function(self)
+        self.normalize = define_traced_function(self)
 
     def supports(self, x, grid, dtype):
         if not x.dtype.is_floating_point:

@@ -14,18 +14,21 @@ each factor (:mod:`.triton_band`). Without pooling T (x - centre and its square,
 bytes of 16-bit tokens) is never stored: the products with P_x form it from the tokens where they
 read it (:class:`..function.TokenMoments`), and the moments kernel does not run.
 
-The kernels run inside the ``torch.library`` custom ops ``mmdtn::dtn_triton_forward`` and
+A layer is one ``torch.library`` custom op each way, ``mmdtn::dtn_triton_forward`` and
 ``mmdtn::dtn_triton_backward``, which ``torch.compile`` and ``torch.export`` record as single
-operations; the positional factors P_y and P_x are formed from the coefficients a^h in
-``mmdtn::dtn_triton_axis_factors`` (:mod:`.triton_factors`) and the per-channel ratios from the
-gates in ``mmdtn::dtn_triton_channel_ratios`` (:mod:`.triton_ratios`), one launch forward and one
-backward each.
+operations, and in eager calls one autograd node. It takes the layer's own parameters
+(:class:`KernelParameters`): forward forms the positional factors P_y and P_x from the
+coefficients a^h (:mod:`.triton_factors`) and the per-channel ratios from the gates
+(:mod:`.triton_ratios`), one launch each, and backward turns their gradients into those of a^h and
+the gates, one launch each. On a GPU at batch 2 a layer waits for the host to launch its kernels
+(README, "DTN on GPUs"): three autograd nodes a layer cost more host time than one.
 """
 import os
 
 import torch
 
-from ..function import TokenMoments, TokenStatistics, define_custom_ops
+from ..function import (FormedParameters, TokenMoments, TokenStatistics,
+                        define_custom_ops)
 from .base import Backend
 
 try:
@@ -38,12 +41,39 @@ except ImportError as error:  # pragma: no cover - PyTorch builds without triton
     factors, kernels, ratios, BandFactor = None, None, None, None
     _MISSING = f'triton cannot be imported ({error})'
 
-__all__ = ['TritonBackend', 'interpreting']
+__all__ = ['TritonBackend', 'KernelParameters', 'interpreting']
 
 
 def interpreting():
     """Whether Triton runs its kernels in its interpreter (TRITON_INTERPRET=1), on CPU tensors."""
     return os.environ.get('TRITON_INTERPRET') == '1'
+
+
+class KernelParameters(FormedParameters):
+    """The Triton op takes the layer's own parameters, a^h (heads, 3) and the gates (heads,) each,
+    and forms P_y, P_x (:func:`.triton_factors.run_factors`) and the ratios
+    (:func:`.triton_ratios.run_ratios`) inside; backward keeps P_y, P_x and the ratios."""
+
+    def form(self, pos_coef, mean_gate, var_gate, grid, layernorm):
+        p_y, p_x = factors.run_factors(pos_coef, grid.Hp, grid.Wp)
+        return p_y, p_x, ratios.run_ratios(mean_gate, var_gate, grid.d, layernorm)
+
+    def kept(self, p_y, p_x, channel_ratios):
+        return [p_y, p_x, channel_ratios]
+
+    def fake_kept(self, inputs, grid):
+        return [*factors.fake_factors(inputs[0], grid.Hp, grid.Wp),
+                ratios.fake_ratios(*inputs[1:], grid.d, False)]
+
+    def formed(self, inputs, kept):
+        return kept
+
+    def gradients(self, inputs, formed, grads, grid, layernorm):
+        pos_coef, mean_gate, var_gate = inputs
+        p_y, p_x, _ = formed
+        grad_coef = factors.run_factors_backward(p_y, p_x, grads.p_y, grads.p_x, grid.Hp, grid.Wp)
+        return (grad_coef, *ratios.run_ratios_backward(mean_gate, var_gate, grads.ratios, grid.d,
+                                                       layernorm))
 
 
 class TritonBackend(Backend):
@@ -56,7 +86,10 @@ class TritonBackend(Backend):
     raw_second_moment = True
 
     def __init__(self):
-        self.apply = define_custom_ops(self, 'triton')
+        self.normalize = define_custom_ops(self, 'triton', KernelParameters())
+
+    def apply(self, x, pos_coef, gates, weight, bias, grid, eps, convention, layernorm):
+        return self.normalize(x, pos_coef, *gates, weight, bias, grid, eps, convention, layernorm)
 
     def supports(self, x, grid, dtype):
         if _MISSING:

@@ -15,7 +15,8 @@ read. Backward, a program per head adds up the gradient of its coefficients over
 factors in a fixed order (deterministic, no atomics): with dl = P (dP - sum_j P dP) the gradient of
 the logits, da1 = sum d^2 dl over both factors, da2 = sum d dl over P_x, da3 over P_y.
 
-Both run in the ``torch.library`` custom op ``mmdtn::dtn_triton_axis_factors``.
+Both run inside the Triton backend's layer op, and in the ``torch.library`` custom op
+``mmdtn::dtn_triton_axis_factors`` (:func:`axis_factors`, for analysis).
 """
 import torch
 import triton
@@ -26,7 +27,8 @@ from ..function import define_parameter_op
 from ..positional import truncation_cutoff
 from .triton_kernels import _launch
 
-__all__ = ['axis_factors', 'specializations']
+__all__ = ['axis_factors', 'run_factors', 'run_factors_backward', 'fake_factors',
+           'specializations']
 
 #: Rows of a factor a program forms, and entries of those rows one step covers.
 ROWS, BLOCK = 16, 64
@@ -155,7 +157,7 @@ def run_factors_backward(p_y: Tensor, p_x: Tensor, grad_y: Tensor, grad_x: Tenso
     return grad_coef
 
 
-def _fake(pos_coef, rows, cols):
+def fake_factors(pos_coef, rows, cols):
     heads = pos_coef.shape[0]
     return pos_coef.new_empty(heads, rows, rows), pos_coef.new_empty(heads, cols, cols)
 
@@ -167,7 +169,7 @@ def _fake_backward(p_y, p_x, grad_y, grad_x, rows, cols):
 #: ``(pos_coef, rows, cols) -> (P_y, P_x)``, differentiable: the ``torch.library`` custom op
 #: ``mmdtn::dtn_triton_axis_factors`` where traced (:func:`..function.define_parameter_op`).
 axis_factors_op = define_parameter_op('dtn_triton_axis_factors', run_factors,
-                                      run_factors_backward, _fake, _fake_backward,
+                                      run_factors_backward, fake_factors, _fake_backward,
                                       lambda inputs, output: output, tensors=1)
 
 

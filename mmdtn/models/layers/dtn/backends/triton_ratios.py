@@ -21,7 +21,8 @@ from torch import Tensor
 from ..function import define_parameter_op
 from .triton_kernels import _launch
 
-__all__ = ['channel_ratios', 'specializations']
+__all__ = ['channel_ratios', 'run_ratios', 'run_ratios_backward', 'fake_ratios',
+           'specializations']
 
 #: Channels per program.
 BLOCK = 256
@@ -125,7 +126,7 @@ def run_ratios_backward(mean_gate: Tensor, var_gate: Tensor, grad: Tensor, d: in
     return grad_mean, grad_var
 
 
-def _fake(mean_gate, var_gate, d, layernorm):
+def fake_ratios(mean_gate, var_gate, d, layernorm):
     return mean_gate.new_empty(4, mean_gate.shape[0] * d, dtype=torch.float32)
 
 
@@ -136,7 +137,7 @@ def _fake_backward(mean_gate, var_gate, grad, d, layernorm):
 #: ``(mean_gate, var_gate, d, layernorm) -> ratios (4, C)``, differentiable: the custom op
 #: ``mmdtn::dtn_triton_channel_ratios`` where traced (:func:`..function.define_parameter_op`).
 channel_ratios_op = define_parameter_op('dtn_triton_channel_ratios', run_ratios,
-                                        run_ratios_backward, _fake, _fake_backward,
+                                        run_ratios_backward, fake_ratios, _fake_backward,
                                         lambda inputs, output: inputs[:2], tensors=2)
 
 
