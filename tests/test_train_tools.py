@@ -1,9 +1,10 @@
-"""End-to-end runs of tools/train.py, tools/test.py and tools/dist_train.sh on CPU.
+"""End-to-end runs of tools/train.py, tools/test.py and the launch scripts on CPU.
 
 Each run is a subprocess of this interpreter on a tiny dataset made here: a few iterations of
 Mask R-CNN with PVT-Tiny-DTN followed by COCO bbox and segm evaluation, Semantic FPN with mIoU, a
-2-process gloo run through dist_train.sh (with distributed COCO validation), an mmpretrain image
-classifier on PVT-Tiny-DTN trained by dist_train.sh and evaluated (top-1) by tools/test.py, the
+2-process gloo run through dist_train.sh (with distributed COCO validation) and dist_test.sh, an
+mmpretrain image classifier on PVT-Tiny-DTN trained by dist_train.sh and evaluated (top-1) by
+tools/test.py, the
 slurm scripts through a stand-in srun, and RetinaNet PVT-Tiny-DTN killed mid-epoch, resumed, then
 evaluated with tools/test.py.
 """
@@ -151,7 +152,7 @@ def test_semantic_fpn_pvt_tiny_dtn_train_then_miou(tmp_path):
     assert len(os.listdir(tmp_path / 'painted' / 'vis_data' / 'vis_image')) == 2
 
 
-def test_dist_train_two_cpu_processes_gloo(tmp_path, coco_root):
+def test_dist_train_then_dist_test_two_cpu_processes_gloo(tmp_path, coco_root):
     cfg = write_config(tmp_path / 'retinanet.py', 'retinanet_pvt-t-dtn_fpn_1x_coco.py',
                        det_overrides(coco_root, batch_size=1), RETINANET)
     work = tmp_path / 'work'
@@ -166,6 +167,12 @@ def test_dist_train_two_cpu_processes_gloo(tmp_path, coco_root):
     assert COCO_AP_LINE in out
     assert (work / 'epoch_1.pth').is_file()
     assert last_scalars(work)['iter'] == 2
+    # the checkpoint evaluated by 2 processes through dist_test.sh
+    rc, out = run(['bash', osp.join(REPO, 'tools', 'dist_test.sh'), cfg, work / 'epoch_1.pth', 2,
+                   '--work-dir', tmp_path / 'test'], tmp_path, timeout=300,
+                  PYTHON=sys.executable, PORT=str(_free_port()))
+    assert rc == 0, out[-4000:]
+    assert COCO_AP_LINE in out
 
 
 CLASSIFIER_OVERRIDES = """
