@@ -19,8 +19,7 @@ from test_dynamic_token_norm import dense_dtn, randomize, tokens
 from mmdtn import DynamicTokenNorm, set_dtn_backend
 from mmdtn.models.layers.dtn.backends import select_backend
 from mmdtn.models.layers.dtn.backends import triton as triton_backend
-from mmdtn.models.layers.dtn.backends import (triton_band, triton_factors, triton_kernels,
-                                              triton_ratios)
+from mmdtn.models.layers.dtn.backends import triton_band, triton_kernels, triton_parameters
 from mmdtn.models.layers.dtn.backends.base import Backend, recording_launches
 from mmdtn.models.layers.dtn.function import TokenMoments
 from mmdtn.models.layers.dtn.gates import channel_ratios
@@ -188,30 +187,39 @@ def test_kernel_loads_counts_what_the_interpreted_kernels_load(backend_setting):
 
 @pytest.mark.parametrize('heads,rows,cols', [(3, 5, 70), (1, 1, 1), (4, 17, 2)])
 def test_factors_in_one_launch_equal_the_pytorch_formulation(heads, rows, cols):
-    """P_y and P_x from the Triton kernels (rows in blocks of 16, entries in steps of 64, here
+    """P_y and P_x from the parameters' kernel (rows in blocks of 16, entries in steps of 64, here
     more than one) equal positional.axis_factors to float32 rounding, with the same exact zeros;
-    the gradient of the coefficients equals that of the float64 formulation to float32 rounding
-    of its sums, also when one factor takes no part in the loss (its gradient None)."""
+    the gradient of the coefficients from the backward kernel equals that of the float64
+    formulation to float32 rounding of its sums, also when one factor takes no part in the loss
+    (its gradient zeros)."""
     torch.manual_seed(0)
     coef = (paper_coefficients(heads) + 0.2 * torch.randn(heads, 3)).to(DEVICE).requires_grad_()
+    gates = torch.zeros(2, heads, device=DEVICE)
     with recording_launches() as launches:
-        factors = triton_factors.axis_factors(coef, rows, cols)
-    assert [k.name for k in launches] == ['triton.axis_factors']
-    for p, q in zip(factors, axis_factors(coef, rows, cols)):
-        assert torch.allclose(p, q, rtol=1e-6, atol=1e-7) and torch.equal(p == 0, q == 0)
+        *factors, ratios = triton_parameters.run_parameters(coef.detach(), *gates, rows, cols, 1,
+                                                            False)
+    assert [k.name for k in launches] == ['triton.parameters']
     pytorch = axis_factors(coef, rows, cols)
+    for p, q in zip(factors, pytorch):
+        assert torch.allclose(p, q, rtol=1e-6, atol=1e-7) and torch.equal(p == 0, q == 0)
     coef64 = coef.detach().double().requires_grad_()
     expected = axis_factors(coef64, rows, cols)
 
+    def output_gradients(used):
+        return [torch.linspace(-1.0, 2.0, p.numel(), dtype=p.dtype, device=p.device).view_as(p)
+                if i in used else torch.zeros_like(p) for i, p in enumerate(factors)]
+
     def gradient(ps, wrt, used):
-        grads = [torch.linspace(-1.0, 2.0, ps[i].numel(), dtype=ps[i].dtype,
-                                device=ps[i].device).view_as(ps[i]) for i in used]
-        return torch.autograd.grad(sum((ps[i] * g).sum() for i, g in zip(used, grads)), wrt,
-                                   retain_graph=True)[0].double()
+        loss = sum((p * g.to(p)).sum() for p, g in zip(ps, output_gradients(used)))
+        return torch.autograd.grad(loss, wrt, retain_graph=True)[0].double()
 
     for used in ((0, 1), (1, )):
         want = gradient(expected, coef64, used)
-        error = (gradient(factors, coef, used) - want).abs().max()
+        with recording_launches() as launches:
+            kernel, *_ = triton_parameters.run_parameters_backward(
+                *factors, *output_gradients(used), *gates, torch.zeros_like(ratios), 1, False)
+        assert [k.name for k in launches] == ['triton.parameters_backward']
+        error = (kernel.double() - want).abs().max()
         pytorch_error = (gradient(pytorch, coef, used) - want).abs().max()
         assert error <= max(4 * pytorch_error, 1e-6 * want.abs().max()), (error, pytorch_error)
 
@@ -219,20 +227,21 @@ def test_factors_in_one_launch_equal_the_pytorch_formulation(heads, rows, cols):
 @pytest.mark.parametrize('layernorm', [False, True])
 @pytest.mark.parametrize('heads,d', [(3, 5), (2, 300), (1, 1)])
 def test_channel_ratios_in_one_launch_equal_the_pytorch_formulation(layernorm, heads, d):
-    """The ratios (4, C) from the gates, one launch forward and one backward, equal
+    """The ratios (4, C) from the gates, in the parameters' kernel forward and backward, equal
     gates.channel_ratios to float32 rounding, and so do the gates' gradients (summed over more
-    channels than a program's block for d = 300), for logits and for distances from LayerNorm:
-    at 0 (LayerNorm exactly), below and above tanh's series threshold, and negative."""
+    channels than one step covers for d = 300), for logits and for distances from LayerNorm: at
+    0 (LayerNorm exactly), below and above tanh's series threshold, and negative."""
     torch.manual_seed(d)
     gates = [3 * torch.randn(heads), torch.randn(heads)]
     gates[0][0], gates[1][-1] = 0.0, -0.05
     gates = [g.to(DEVICE).requires_grad_() for g in gates]
-    with recording_launches() as launches:
-        ratios = triton_ratios.channel_ratios(*gates, d, layernorm)
-        grad = torch.linspace(-1.0, 2.0, ratios.numel(), device=DEVICE).view_as(ratios)
-        kernel_grads = torch.autograd.grad((ratios * grad).sum(), gates)
-    assert [k.name for k in launches] == ['triton.channel_ratios',
-                                          'triton.channel_ratios_backward']
+    coef = paper_coefficients(heads).float().to(DEVICE)
+    p_y, p_x, ratios = triton_parameters.run_parameters(coef, *(g.detach() for g in gates), 2, 3,
+                                                        d, layernorm)
+    grad = torch.linspace(-1.0, 2.0, ratios.numel(), device=DEVICE).view_as(ratios)
+    _, *kernel_grads = triton_parameters.run_parameters_backward(
+        p_y, p_x, torch.zeros_like(p_y), torch.zeros_like(p_x), *(g.detach() for g in gates),
+        grad, d, layernorm)
     expected = channel_ratios(*gates, d, layernorm, torch.float32)
     assert torch.allclose(ratios, expected, rtol=3e-7, atol=1e-7)
     assert ratios.dtype == torch.float32 and ratios.shape == (4, heads * d)
@@ -420,9 +429,9 @@ def test_kernels_compile_for_sm90_without_spills():
     rows = json.loads(out.stdout)
     kernels = {r['kernel'] for r in rows}
     assert kernels == {'_moments_kernel', '_output_kernel', '_token_gradients_kernel',
-                       '_parameter_gradients_kernel', '_input_gradient_kernel', '_factors_kernel',
-                       '_factors_backward_kernel', '_ratios_kernel', '_ratios_backward_kernel',
-                       '_band_matmul_kernel', '_band_outer_kernel'}
+                       '_parameter_gradients_kernel', '_input_gradient_kernel',
+                       '_parameters_kernel', '_parameters_backward_kernel', '_band_matmul_kernel',
+                       '_band_outer_kernel'}
     for r in rows:
         assert r['arch'] == 90 and set(r) >= {'kernel', 'registers', 'spills', 'shared_bytes'}
         assert r['spills'] == 0 and r['shared_bytes'] <= 227 * 1024, r

@@ -31,7 +31,7 @@ from triton.compiler import ASTSource
 
 import mmdtn  # noqa: F401
 from mmdtn import DynamicTokenNorm
-from mmdtn.models.layers.dtn.backends import triton_band, triton_factors, triton_ratios
+from mmdtn.models.layers.dtn.backends import triton_band, triton_parameters
 from mmdtn.models.layers.dtn.backends.triton_kernels import TOKEN_POINTERS, specializations
 
 MODELS = {
@@ -143,8 +143,7 @@ def main():
     conventions = [False, True] if args.reference_compat else [False]
     specs = [spec for C, pool in sorted(layers) for square in conventions
              for spec in specializations(C, pool, square)]
-    specs += (triton_factors.specializations() + triton_ratios.specializations() +
-              triton_band.specializations())
+    specs += triton_parameters.specializations() + triton_band.specializations()
     jobs = {}
     for kernel, constexprs, warps in specs:
         for dtype in args.dtypes:

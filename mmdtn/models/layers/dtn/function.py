@@ -36,8 +36,8 @@ from .grid import TokenGrid
 
 __all__ = ['no_autocast', 'TokenStatistics', 'TokenMoments', 'Saved', 'Gradients', 'dtn_forward',
            'dtn_backward', 'inter_token_statistics', 'ln_statistics', 'ln_gradient',
-           'FormedParameters', 'define_traced_function', 'define_custom_ops', 'define_parameter_op',
-           'watched', 'CUSTOM_OP_IMPLEMENTATIONS']
+           'FormedParameters', 'define_traced_function', 'define_custom_ops', 'watched',
+           'CUSTOM_OP_IMPLEMENTATIONS']
 
 
 #: Whether autocast exists on a device type (not on 'meta'), asked once per type outside of
@@ -417,65 +417,6 @@ def watched(x):
     ops' dispatch (README, "Backends": 0.98 against 0.56 ms of Python per Triton layer call)."""
     return (x.device.type == 'meta' or torch.compiler.is_compiling() or torch.jit.is_tracing()
             or torch._C._len_torch_dispatch_stack() > 0)
-
-
-def define_parameter_op(name, forward, backward, fake, fake_backward, save, tensors):
-    """A differentiable operation on a layer's small parameter tensors that compiled kernels run
-    (the Triton backend's positional factors and channel ratios): the ``torch.library`` custom
-    ops ``mmdtn::<name>`` and ``mmdtn::<name>_backward``, with fake implementations and registered
-    autograd, where :func:`watched` says so; in eager calls the same Python in an autograd
-    Function.
-
-    Args:
-        forward: ``(*tensors, *options) -> output(s)``, annotated (the custom op's schema).
-        backward: ``(*saved, *output gradients, *options) -> gradients of the tensors``, annotated;
-            an output that took no part in the loss has a gradient of zeros.
-        fake, fake_backward: their fake implementations.
-        save: ``(inputs, output) -> tensors backward needs``.
-        tensors: how many leading arguments are tensors.
-
-    Returns:
-        callable: ``apply(*tensors, *options)``.
-    """
-    names = f'mmdtn::{name}', f'mmdtn::{name}_backward'
-    op = torch.library.custom_op(names[0], mutates_args=())(forward)
-    op_backward = torch.library.custom_op(names[1], mutates_args=())(backward)
-    op.register_fake(fake)
-    op_backward.register_fake(fake_backward)
-
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*save(inputs, output))
-        outputs = output if isinstance(output, (tuple, list)) else [output]
-        ctx.outputs = [(o.shape, o.dtype, o.device) for o in outputs]
-        ctx.options = inputs[tensors:]
-
-    def differentiate(ctx, *grads, run=op_backward):
-        grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()
-                 for g, (shape, dtype, device) in zip(grads, ctx.outputs)]
-        result = run(*ctx.saved_tensors, *grads, *ctx.options)
-        result = [result] if torch.is_tensor(result) else result
-        return (*result, *([None] * len(ctx.options)))
-
-    op.register_autograd(differentiate, setup_context=setup_context)
-    CUSTOM_OP_IMPLEMENTATIONS.update(zip(names, (forward, backward)))
-
-    class Eager(torch.autograd.Function):
-
-        @staticmethod
-        def forward(ctx, *args):
-            output = forward(*args)
-            setup_context(ctx, args, output)
-            return output
-
-        @staticmethod
-        @torch.autograd.function.once_differentiable
-        def backward(ctx, *grads):
-            return differentiate(ctx, *grads, run=backward)
-
-    def apply(*args):
-        return op(*args) if watched(args[0]) else Eager.apply(*args)
-
-    return apply
 
 
 def define_custom_ops(backend, name, parameters=FORMED):

@@ -17,63 +17,35 @@ read it (:class:`..function.TokenMoments`), and the moments kernel does not run.
 A layer is one ``torch.library`` custom op each way, ``mmdtn::dtn_triton_forward`` and
 ``mmdtn::dtn_triton_backward``, which ``torch.compile`` and ``torch.export`` record as single
 operations, and in eager calls one autograd node. It takes the layer's own parameters
-(:class:`KernelParameters`): forward forms the positional factors P_y and P_x from the
-coefficients a^h (:mod:`.triton_factors`) and the per-channel ratios from the gates
-(:mod:`.triton_ratios`), one launch each, and backward turns their gradients into those of a^h and
-the gates, one launch each. On a GPU at batch 2 a layer waits for the host to launch its kernels
-(README, "DTN on GPUs"): three autograd nodes a layer cost more host time than one.
+(:class:`.triton_parameters.KernelParameters`): forward forms the positional factors P_y and P_x
+from the coefficients a^h and the per-channel ratios from the gates in one launch, and backward
+turns their gradients into those of a^h and the gates in one launch. On a GPU at batch 2 a layer
+waits for the host to launch its kernels (README, "DTN on GPUs"): every launch and autograd node
+costs host time.
 """
 import os
 
 import torch
 
-from ..function import (FormedParameters, TokenMoments, TokenStatistics,
-                        define_custom_ops)
+from ..function import FormedParameters, TokenMoments, TokenStatistics, define_custom_ops
 from .base import Backend
 
 try:
-    from . import triton_factors as factors
     from .triton_band import BandFactor
     from . import triton_kernels as kernels
-    from . import triton_ratios as ratios
+    from .triton_parameters import KernelParameters
     _MISSING = None
 except ImportError as error:  # pragma: no cover - PyTorch builds without triton
-    factors, kernels, ratios, BandFactor = None, None, None, None
+    kernels, BandFactor = None, None
+    KernelParameters = FormedParameters  # the op is defined, never run: supports() says why
     _MISSING = f'triton cannot be imported ({error})'
 
-__all__ = ['TritonBackend', 'KernelParameters', 'interpreting']
+__all__ = ['TritonBackend', 'interpreting']
 
 
 def interpreting():
     """Whether Triton runs its kernels in its interpreter (TRITON_INTERPRET=1), on CPU tensors."""
     return os.environ.get('TRITON_INTERPRET') == '1'
-
-
-class KernelParameters(FormedParameters):
-    """The Triton op takes the layer's own parameters, a^h (heads, 3) and the gates (heads,) each,
-    and forms P_y, P_x (:func:`.triton_factors.run_factors`) and the ratios
-    (:func:`.triton_ratios.run_ratios`) inside; backward keeps P_y, P_x and the ratios."""
-
-    def form(self, pos_coef, mean_gate, var_gate, grid, layernorm):
-        p_y, p_x = factors.run_factors(pos_coef, grid.Hp, grid.Wp)
-        return p_y, p_x, ratios.run_ratios(mean_gate, var_gate, grid.d, layernorm)
-
-    def kept(self, p_y, p_x, channel_ratios):
-        return [p_y, p_x, channel_ratios]
-
-    def fake_kept(self, inputs, grid):
-        return [*factors.fake_factors(inputs[0], grid.Hp, grid.Wp),
-                ratios.fake_ratios(*inputs[1:], grid.d, False)]
-
-    def formed(self, inputs, kept):
-        return kept
-
-    def gradients(self, inputs, formed, grads, grid, layernorm):
-        pos_coef, mean_gate, var_gate = inputs
-        p_y, p_x, _ = formed
-        grad_coef = factors.run_factors_backward(p_y, p_x, grads.p_y, grads.p_x, grid.Hp, grid.Wp)
-        return (grad_coef, *ratios.run_ratios_backward(mean_gate, var_gate, grads.ratios, grid.d,
-                                                       layernorm))
 
 
 class TritonBackend(Backend):
@@ -103,14 +75,8 @@ class TritonBackend(Backend):
             return f'x is on {x.device}; the Triton kernels run on CUDA GPUs'
         return None
 
-    def axis_factors(self, pos_coef, rows, cols):
-        return factors.axis_factors(pos_coef, rows, cols)
-
     def factor(self, p):
         return BandFactor(p)
-
-    def channel_ratios(self, mean_gate, var_gate, d, layernorm, dtype):
-        return ratios.channel_ratios(mean_gate, var_gate, d, layernorm)  # float32: supports()
 
     def token_moments(self, x, centre, grid):
         return TokenMoments(x, centre, grid)  # formed by the band products where they read it

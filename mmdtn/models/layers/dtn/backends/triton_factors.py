@@ -1,5 +1,5 @@
-"""The positional factors P_y^h and P_x^h of DynamicTokenNorm (Eq. 6) in Triton: one launch
-forward, one backward.
+"""The positional factors P_y^h and P_x^h of DynamicTokenNorm (Eq. 6) in Triton, and the gradient
+of their coefficients: the parts of :mod:`.triton_parameters`' kernels that handle them.
 
 Written in PyTorch (:func:`..positional.axis_factors`), the factors take about 20 element-wise
 operations forward and 14 backward, each a launch that reads and writes heads x L x L values:
@@ -11,24 +11,18 @@ of its bytes. Here a program forms ROWS rows of a factor from the coefficients a
 truncated as :func:`..positional.truncated_softmax` (weights below eps(float32) 2^-26 of the row
 maximum are exact zeros), in chunks of ``BLOCK`` entries, so that any L runs with one compiled
 kernel: the logits are recomputed for the row maximum, the row sum and the store instead of being
-read. Backward, a program per head adds up the gradient of its coefficients over the rows of both
-factors in a fixed order (deterministic, no atomics): with dl = P (dP - sum_j P dP) the gradient of
-the logits, da1 = sum d^2 dl over both factors, da2 = sum d dl over P_x, da3 over P_y.
-
-Both run inside the Triton backend's layer op, and in the ``torch.library`` custom op
-``mmdtn::dtn_triton_axis_factors`` (:func:`axis_factors`, for analysis).
+read (:func:`_factor_rows`). Backward, a program per head adds up the gradient of its coefficients
+over the rows of both factors in a fixed order (deterministic, no atomics): with
+dl = P (dP - sum_j P dP) the gradient of the logits, da1 = sum d^2 dl over both factors,
+da2 = sum d dl over P_x, da3 over P_y (:func:`_coefficient_gradient`).
 """
 import torch
 import triton
 import triton.language as tl
-from torch import Tensor
 
-from ..function import define_parameter_op
 from ..positional import truncation_cutoff
-from .triton_kernels import _launch
 
-__all__ = ['axis_factors', 'run_factors', 'run_factors_backward', 'fake_factors',
-           'specializations']
+__all__ = ['ROWS', 'BLOCK', 'CUTOFF', 'row_blocks']
 
 #: Rows of a factor a program forms, and entries of those rows one step covers.
 ROWS, BLOCK = 16, 64
@@ -61,11 +55,11 @@ def _logits(a1, a_lin, d, k, length):
     return tl.where(k[None, :] < length, a1 * (d * d) + a_lin * d, float('-inf'))
 
 
-@triton.jit(do_not_specialize=['rows', 'cols'])
-def _factors_kernel(coef_ptr, p_y_ptr, p_x_ptr, rows, cols, ROWS: tl.constexpr,
-                    BLOCK: tl.constexpr, CUTOFF: tl.constexpr):
-    """ROWS rows of P_y^h or of P_x^h (program (h, b)), the truncated softmax of Eq. 6."""
-    h, b = tl.program_id(0), tl.program_id(1)
+@triton.jit
+def _factor_rows(coef_ptr, p_y_ptr, p_x_ptr, h, b, rows, cols, ROWS: tl.constexpr,
+                 BLOCK: tl.constexpr, CUTOFF: tl.constexpr):
+    """Block b of ROWS rows of P_y^h or of P_x^h (:func:`_rows`), the truncated softmax of
+    Eq. 6."""
     in_x, i, length = _rows(b, rows, cols, ROWS)
     a1 = tl.load(coef_ptr + 3 * h)
     a_lin = tl.load(coef_ptr + 3 * h + tl.where(in_x, 1, 2))
@@ -86,11 +80,10 @@ def _factors_kernel(coef_ptr, p_y_ptr, p_x_ptr, rows, cols, ROWS: tl.constexpr,
         tl.store(out + i[:, None] * length + k[None, :], p, mask=inside)
 
 
-@triton.jit(do_not_specialize=['rows', 'cols'])
-def _factors_backward_kernel(p_y_ptr, p_x_ptr, grad_y_ptr, grad_x_ptr, grad_coef_ptr, rows, cols,
-                             ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """The gradient (3,) of a^h (program h) from the gradients of P_y^h and P_x^h."""
-    h = tl.program_id(0)
+@triton.jit
+def _coefficient_gradient(p_y_ptr, p_x_ptr, grad_y_ptr, grad_x_ptr, grad_coef_ptr, h, rows, cols,
+                          ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """The gradient (3,) of a^h from the gradients of P_y^h and P_x^h."""
     d_square = tl.zeros((ROWS, ), tl.float32)
     d_lin_y = tl.zeros((ROWS, ), tl.float32)
     d_lin_x = tl.zeros((ROWS, ), tl.float32)
@@ -122,58 +115,6 @@ def _factors_backward_kernel(p_y_ptr, p_x_ptr, grad_y_ptr, grad_x_ptr, grad_coef
     tl.store(grad_coef_ptr + 3 * h + 2, tl.sum(d_lin_y, axis=0))
 
 
-def _factors_spec():
-    return _factors_kernel, dict(ROWS=ROWS, BLOCK=BLOCK, CUTOFF=CUTOFF), 4
-
-
-def _factors_backward_spec():
-    return _factors_backward_kernel, dict(ROWS=ROWS, BLOCK=BLOCK), 4
-
-
-def specializations():
-    """The compiled kernels of the factors, as (kernel, constexprs, num_warps): the same for
-    every layer and grid."""
-    return [_factors_spec(), _factors_backward_spec()]
-
-
-# ---------------------------------------------------------------------------- the operation
-def run_factors(pos_coef: Tensor, rows: int, cols: int) -> tuple[Tensor, Tensor]:
-    coef = pos_coef.contiguous()
-    heads = coef.shape[0]
-    p_y = coef.new_empty(heads, rows, rows)
-    p_x = coef.new_empty(heads, cols, cols)
-    blocks = -(-rows // ROWS) - (-cols // ROWS)
-    _launch('triton.axis_factors', _factors_spec(), (heads, blocks), [coef], [p_y, p_x], coef,
-            p_y, p_x, rows, cols)
-    return p_y, p_x
-
-
-def run_factors_backward(p_y: Tensor, p_x: Tensor, grad_y: Tensor, grad_x: Tensor, rows: int,
-                         cols: int) -> Tensor:
-    grad_coef = p_y.new_empty(p_y.shape[0], 3)
-    _launch('triton.axis_factors_backward', _factors_backward_spec(), (p_y.shape[0], ),
-            [p_y, p_x, grad_y, grad_x], [grad_coef], p_y, p_x, grad_y, grad_x, grad_coef, rows,
-            cols)
-    return grad_coef
-
-
-def fake_factors(pos_coef, rows, cols):
-    heads = pos_coef.shape[0]
-    return pos_coef.new_empty(heads, rows, rows), pos_coef.new_empty(heads, cols, cols)
-
-
-def _fake_backward(p_y, p_x, grad_y, grad_x, rows, cols):
-    return p_y.new_empty(p_y.shape[0], 3)
-
-
-#: ``(pos_coef, rows, cols) -> (P_y, P_x)``, differentiable: the ``torch.library`` custom op
-#: ``mmdtn::dtn_triton_axis_factors`` where traced (:func:`..function.define_parameter_op`).
-axis_factors_op = define_parameter_op('dtn_triton_axis_factors', run_factors,
-                                      run_factors_backward, fake_factors, _fake_backward,
-                                      lambda inputs, output: output, tensors=1)
-
-
-def axis_factors(pos_coef, rows, cols):
-    """(P_y, P_x) of :func:`..positional.axis_factors` for float32 coefficients ``pos_coef``
-    (heads, 3), in the Triton kernels of this module."""
-    return axis_factors_op(pos_coef, rows, cols)
+def row_blocks(rows, cols):
+    """Blocks of ROWS rows of P_y^h and P_x^h together: the programs per head of the factors."""
+    return -(-rows // ROWS) - (-cols // ROWS)

@@ -1,30 +1,24 @@
-"""The per-channel ratios of DynamicTokenNorm's gates (Eq. 5) in Triton: one launch forward, one
-backward.
+"""The per-channel ratios of DynamicTokenNorm's gates (Eq. 5) in Triton, and the gradients of the
+gates: the parts of :mod:`.triton_parameters`' kernels that handle them.
 
 Written in PyTorch (:func:`..gates.channel_ratios`) they take five operations forward and six
 backward on a few values each, every one a launch, and on a GPU at batch 2 a layer waits for the
-host to launch its kernels (README, "DTN on GPUs"). Here a program forms BLOCK channels of the
-four ratios (lambda_m, 1 - lambda_m, lambda_v, 1 - lambda_v) from the gates of their heads,
+host to launch its kernels (README, "DTN on GPUs"). Here a program forms the four ratios
+(lambda_m, 1 - lambda_m, lambda_v, 1 - lambda_v) of a head's channels from its gates,
 
     init='paper'      lambda = sigmoid(g), 1 - lambda = sigmoid(-g)     (g: the logit)
     init='layernorm'  1 - lambda = tanh|u|, lambda = 1 - tanh|u|       (u: the distance from LN)
 
-and backward a program per head adds up the gradient of its two gates over its d channels in a
-fixed order (deterministic, no atomics). |u| has derivative +1 at u = 0, as in
+BLOCK channels at a time, and backward adds up the gradient of the head's two gates over its d
+channels in a fixed order (deterministic, no atomics). |u| has derivative +1 at u = 0, as in
 :func:`..gates.share_of_distance`.
 """
-import torch
 import triton
 import triton.language as tl
-from torch import Tensor
 
-from ..function import define_parameter_op
-from .triton_kernels import _launch
+__all__ = ['BLOCK']
 
-__all__ = ['channel_ratios', 'run_ratios', 'run_ratios_backward', 'fake_ratios',
-           'specializations']
-
-#: Channels per program.
+#: Channels of a head one step covers.
 BLOCK = 256
 #: Below this |u|, tanh|u| is its Taylor series (to u^7, relative error < 3e-10); above, the
 #: closed form (1 - e) / (1 + e), e = exp(-2|u|), whose cancellation costs < 3e-7.
@@ -52,21 +46,15 @@ def _lambdas(gate, LAYERNORM: tl.constexpr):
 
 
 @triton.jit
-def _gate_ratios(gate_ptr, ratios_ptr, c, C, d, LAYERNORM: tl.constexpr):
-    """lambda and 1 - lambda of channels c (rows 0 and 1 from ``ratios_ptr``) of one gate."""
-    inside = c < C
-    lam, kap, _ = _lambdas(tl.load(gate_ptr + c // d, mask=inside).to(tl.float32), LAYERNORM)
-    tl.store(ratios_ptr + c, lam, mask=inside)
-    tl.store(ratios_ptr + C + c, kap, mask=inside)
-
-
-@triton.jit(do_not_specialize=['C', 'd'])
-def _ratios_kernel(mean_ptr, var_ptr, ratios_ptr, C, d, LAYERNORM: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    """Channels of block ``program_id(0)`` of the four ratios (4, C), float32."""
-    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    _gate_ratios(mean_ptr, ratios_ptr, c, C, d, LAYERNORM)
-    _gate_ratios(var_ptr, ratios_ptr + 2 * C, c, C, d, LAYERNORM)
+def _gate_ratios(gate_ptr, ratios_ptr, h, C, d, LAYERNORM: tl.constexpr, BLOCK: tl.constexpr):
+    """lambda and 1 - lambda of gate h in its head's d channels (rows 0 and 1 from
+    ``ratios_ptr`` of (., C))."""
+    lam, kap, _ = _lambdas(tl.load(gate_ptr + h).to(tl.float32), LAYERNORM)
+    for start in range(0, d, BLOCK):
+        k = start + tl.arange(0, BLOCK)
+        zero = tl.zeros([BLOCK], tl.float32)
+        tl.store(ratios_ptr + h * d + k, zero + lam, mask=k < d)
+        tl.store(ratios_ptr + C + h * d + k, zero + kap, mask=k < d)
 
 
 @triton.jit
@@ -82,65 +70,3 @@ def _gate_gradient(gate_ptr, grad_ptr, out_ptr, h, C, d, LAYERNORM: tl.constexpr
         total += (tl.load(grad_ptr + c, mask=k < d, other=0.0) -
                   tl.load(grad_ptr + C + c, mask=k < d, other=0.0))
     tl.store(out_ptr + h, (slope * tl.sum(total, axis=0)).to(out_ptr.dtype.element_ty))
-
-
-@triton.jit(do_not_specialize=['C', 'd'])
-def _ratios_backward_kernel(mean_ptr, var_ptr, grad_ptr, grad_mean_ptr, grad_var_ptr, C, d,
-                            LAYERNORM: tl.constexpr, BLOCK: tl.constexpr):
-    """The gradients of both gates of head ``program_id(0)`` from that of the ratios (4, C)."""
-    h = tl.program_id(0)
-    _gate_gradient(mean_ptr, grad_ptr, grad_mean_ptr, h, C, d, LAYERNORM, BLOCK)
-    _gate_gradient(var_ptr, grad_ptr + 2 * C, grad_var_ptr, h, C, d, LAYERNORM, BLOCK)
-
-
-def _ratios_spec(layernorm):
-    return _ratios_kernel, dict(LAYERNORM=layernorm, BLOCK=BLOCK), 4
-
-
-def _ratios_backward_spec(layernorm):
-    return _ratios_backward_kernel, dict(LAYERNORM=layernorm, BLOCK=BLOCK), 4
-
-
-def specializations():
-    """The compiled kernels of the ratios, as (kernel, constexprs, num_warps): one per ``init``
-    for every layer."""
-    return [spec(layernorm) for spec in (_ratios_spec, _ratios_backward_spec)
-            for layernorm in (False, True)]
-
-
-# ---------------------------------------------------------------------------- the operation
-def run_ratios(mean_gate: Tensor, var_gate: Tensor, d: int, layernorm: bool) -> Tensor:
-    heads = mean_gate.shape[0]
-    ratios = mean_gate.new_empty(4, heads * d, dtype=torch.float32)
-    _launch('triton.channel_ratios', _ratios_spec(layernorm), (-(-heads * d // BLOCK), ),
-            [mean_gate, var_gate], [ratios], mean_gate, var_gate, ratios, heads * d, d)
-    return ratios
-
-
-def run_ratios_backward(mean_gate: Tensor, var_gate: Tensor, grad: Tensor, d: int,
-                        layernorm: bool) -> tuple[Tensor, Tensor]:
-    grad_mean, grad_var = torch.empty_like(mean_gate), torch.empty_like(var_gate)
-    _launch('triton.channel_ratios_backward', _ratios_backward_spec(layernorm),
-            (mean_gate.shape[0], ), [mean_gate, var_gate, grad], [grad_mean, grad_var], mean_gate,
-            var_gate, grad, grad_mean, grad_var, grad.shape[1], d)
-    return grad_mean, grad_var
-
-
-def fake_ratios(mean_gate, var_gate, d, layernorm):
-    return mean_gate.new_empty(4, mean_gate.shape[0] * d, dtype=torch.float32)
-
-
-def _fake_backward(mean_gate, var_gate, grad, d, layernorm):
-    return torch.empty_like(mean_gate), torch.empty_like(var_gate)
-
-
-#: ``(mean_gate, var_gate, d, layernorm) -> ratios (4, C)``, differentiable: the custom op
-#: ``mmdtn::dtn_triton_channel_ratios`` where traced (:func:`..function.define_parameter_op`).
-channel_ratios_op = define_parameter_op('dtn_triton_channel_ratios', run_ratios,
-                                        run_ratios_backward, fake_ratios, _fake_backward,
-                                        lambda inputs, output: inputs[:2], tensors=2)
-
-
-def channel_ratios(mean_gate, var_gate, d, layernorm):
-    """The ratios of :func:`..gates.channel_ratios` in float32, in the kernels of this module."""
-    return channel_ratios_op(mean_gate, var_gate, d, layernorm)

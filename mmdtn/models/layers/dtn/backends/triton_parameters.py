@@ -1,0 +1,128 @@
+"""The small tensors a Triton DynamicTokenNorm layer forms from its parameters, one launch forward
+and one backward: the positional factors P_y^h, P_x^h from the coefficients a^h (Eq. 6,
+:mod:`.triton_factors`) and the per-channel ratios lambda, 1 - lambda from the gates (Eq. 5,
+:mod:`.triton_ratios`).
+
+At batch 2 a layer on a GPU waits for the host to launch its kernels (README, "DTN on GPUs"), so
+the two run in one kernel each way, a program per head and block of factor rows, plus one per
+head for its ratios; backward, a program per head forms the gradients of its a^h and of its two
+gates (sums in a fixed order: deterministic). :class:`KernelParameters` runs them inside the
+Triton backend's layer op.
+"""
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..function import FormedParameters
+from . import triton_factors as factors
+from . import triton_ratios as ratios
+from .triton_kernels import _launch
+
+__all__ = ['run_parameters', 'run_parameters_backward', 'KernelParameters', 'specializations']
+
+
+@triton.jit(do_not_specialize=['rows', 'cols', 'C', 'd'])
+def _parameters_kernel(coef_ptr, mean_ptr, var_ptr, p_y_ptr, p_x_ptr, ratios_ptr, rows, cols, C,
+                       d, ROWS: tl.constexpr, BLOCK: tl.constexpr, CUTOFF: tl.constexpr,
+                       LAYERNORM: tl.constexpr, CHANNELS: tl.constexpr):
+    """Program (h, b): block b of the rows of P_y^h and P_x^h, or, for the last b, the four ratios
+    (4, C) of head h's d channels."""
+    h, b = tl.program_id(0), tl.program_id(1)
+    if b == tl.num_programs(1) - 1:
+        ratios._gate_ratios(mean_ptr, ratios_ptr, h, C, d, LAYERNORM, CHANNELS)
+        ratios._gate_ratios(var_ptr, ratios_ptr + 2 * C, h, C, d, LAYERNORM, CHANNELS)
+    else:
+        factors._factor_rows(coef_ptr, p_y_ptr, p_x_ptr, h, b, rows, cols, ROWS, BLOCK, CUTOFF)
+
+
+@triton.jit(do_not_specialize=['rows', 'cols', 'C', 'd'])
+def _parameters_backward_kernel(p_y_ptr, p_x_ptr, grad_y_ptr, grad_x_ptr, mean_ptr, var_ptr,
+                                grad_ratios_ptr, grad_coef_ptr, grad_mean_ptr, grad_var_ptr, rows,
+                                cols, C, d, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                                LAYERNORM: tl.constexpr, CHANNELS: tl.constexpr):
+    """Program h: the gradients of a^h (3,) and of head h's two gates, from those of P_y^h, P_x^h
+    and the ratios (4, C)."""
+    h = tl.program_id(0)
+    factors._coefficient_gradient(p_y_ptr, p_x_ptr, grad_y_ptr, grad_x_ptr, grad_coef_ptr, h,
+                                  rows, cols, ROWS, BLOCK)
+    ratios._gate_gradient(mean_ptr, grad_ratios_ptr, grad_mean_ptr, h, C, d, LAYERNORM, CHANNELS)
+    ratios._gate_gradient(var_ptr, grad_ratios_ptr + 2 * C, grad_var_ptr, h, C, d, LAYERNORM,
+                          CHANNELS)
+
+
+def _parameters_spec(layernorm):
+    return _parameters_kernel, dict(ROWS=factors.ROWS, BLOCK=factors.BLOCK,
+                                    CUTOFF=factors.CUTOFF, LAYERNORM=layernorm,
+                                    CHANNELS=ratios.BLOCK), 4
+
+
+def _parameters_backward_spec(layernorm):
+    return _parameters_backward_kernel, dict(ROWS=factors.ROWS, BLOCK=factors.BLOCK,
+                                             LAYERNORM=layernorm, CHANNELS=ratios.BLOCK), 4
+
+
+def specializations():
+    """The compiled kernels of the parameters, as (kernel, constexprs, num_warps): one per
+    ``init`` and direction, the same for every layer and grid."""
+    return [spec(layernorm) for spec in (_parameters_spec, _parameters_backward_spec)
+            for layernorm in (False, True)]
+
+
+# ---------------------------------------------------------------------------- the launches
+def run_parameters(pos_coef: Tensor, mean_gate: Tensor, var_gate: Tensor, rows: int, cols: int,
+                   d: int, layernorm: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """P_y (heads, rows, rows), P_x (heads, cols, cols) of :func:`..positional.axis_factors`
+    (in a^h's dtype) and the ratios (4, heads * d) of :func:`..gates.channel_ratios` (float32)
+    from a^h (heads, 3) and the gates (heads,): one launch."""
+    coef = pos_coef.contiguous()
+    heads = coef.shape[0]
+    p_y, p_x = coef.new_empty(heads, rows, rows), coef.new_empty(heads, cols, cols)
+    channel_ratios = coef.new_empty(4, heads * d, dtype=torch.float32)
+    _launch('triton.parameters', _parameters_spec(layernorm),
+            (heads, factors.row_blocks(rows, cols) + 1), [coef, mean_gate, var_gate],
+            [p_y, p_x, channel_ratios], coef, mean_gate, var_gate, p_y, p_x, channel_ratios,
+            rows, cols, heads * d, d)
+    return p_y, p_x, channel_ratios
+
+
+def run_parameters_backward(p_y: Tensor, p_x: Tensor, grad_y: Tensor, grad_x: Tensor,
+                            mean_gate: Tensor, var_gate: Tensor, grad_ratios: Tensor, d: int,
+                            layernorm: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of a^h (heads, 3) and of the two gates from those of P_y, P_x and the ratios
+    (contiguous float32): one launch."""
+    heads, rows, cols = p_y.shape[0], p_y.shape[1], p_x.shape[1]
+    grad_coef = p_y.new_empty(heads, 3)
+    grad_mean, grad_var = torch.empty_like(mean_gate), torch.empty_like(var_gate)
+    _launch('triton.parameters_backward', _parameters_backward_spec(layernorm), (heads, ),
+            [p_y, p_x, grad_y, grad_x, mean_gate, var_gate, grad_ratios],
+            [grad_coef, grad_mean, grad_var], p_y, p_x, grad_y, grad_x, mean_gate, var_gate,
+            grad_ratios, grad_coef, grad_mean, grad_var, rows, cols, heads * d, d)
+    return grad_coef, grad_mean, grad_var
+
+
+class KernelParameters(FormedParameters):
+    """The Triton layer op takes the layer's own parameters, a^h (heads, 3) and the gates
+    (heads,) each, and forms P_y, P_x and the ratios inside (:func:`run_parameters`); backward
+    keeps the three and turns their gradients into those of a^h and the gates
+    (:func:`run_parameters_backward`)."""
+
+    def form(self, pos_coef, mean_gate, var_gate, grid, layernorm):
+        return run_parameters(pos_coef, mean_gate, var_gate, grid.Hp, grid.Wp, grid.d, layernorm)
+
+    def kept(self, p_y, p_x, channel_ratios):
+        return [p_y, p_x, channel_ratios]
+
+    def fake_kept(self, inputs, grid):
+        pos_coef, heads = inputs[0], inputs[0].shape[0]
+        return [pos_coef.new_empty(heads, grid.Hp, grid.Hp),
+                pos_coef.new_empty(heads, grid.Wp, grid.Wp),
+                pos_coef.new_empty(4, grid.C, dtype=torch.float32)]
+
+    def formed(self, inputs, kept):
+        return kept
+
+    def gradients(self, inputs, formed, grads, grid, layernorm):
+        p_y, p_x, _ = formed
+        return run_parameters_backward(p_y, p_x, grads.p_y.contiguous(), grads.p_x.contiguous(),
+                                       *inputs[1:], grads.ratios.contiguous(), grid.d, layernorm)
