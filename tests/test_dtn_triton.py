@@ -399,6 +399,23 @@ def test_eager_calls_and_custom_ops_agree(triton_dtn):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize('pool', [1, 2])
+def test_backward_keeps_nothing_but_saved_tensors(triton_dtn, pool):
+    """Everything the layer's backward reads (P_y, P_x and the ratios formed inside the op, the
+    cell tensors with pooling) goes through save_for_backward: no other tensor outlives the
+    forward pass, and the gradients through the saved tensors equal a fresh call's."""
+    from test_dtn_tracing import new_tensors_after
+    norm = randomize(DynamicTokenNorm(24, 2, pool_size=pool)).to(DEVICE)
+    x = tokens(2, 6, 8, 24, torch.float32).to(DEVICE).requires_grad_()
+    y, hidden = new_tensors_after(lambda: norm(x, (6, 8)))
+    assert not hidden, [tuple(t.shape) for t in hidden]
+    g = loss_weights(y)
+    grads = torch.autograd.grad((y * g).sum(), [x, *norm.parameters()])
+    expected = torch.autograd.grad((norm(x, (6, 8)) * g).sum(), [x, *norm.parameters()])
+    for a, b in zip(grads, expected):
+        assert torch.equal(a, b)
+
+
 def test_auto_takes_triton_for_cuda_tensors_and_says_once_why_not(monkeypatch, backend_setting):
     """auto takes the Triton kernels for CUDA tensors of every pooling; where they cannot run it
     takes the 'torch' backend and says why, once."""
