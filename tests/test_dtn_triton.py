@@ -370,6 +370,25 @@ def test_compiles_with_torch_compile(triton_dtn, pool, init):
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, ref_grads))
 
 
+def test_inductor_compiles_around_the_layer_op(triton_dtn):
+    """torch.compile with inductor (mmengine's ``compile=True``) keeps the layer's op as one call
+    between the code it generates for the rest, forward and backward, equal to eager."""
+    torch._dynamo.reset()
+    norm = randomize(DynamicTokenNorm(16, 2, pool_size=2)).float().to(DEVICE)
+    linear = torch.nn.Linear(16, 16).to(DEVICE)
+
+    def block(x):
+        return linear(norm(x, (5, 6))).relu()
+
+    x = tokens(2, 5, 6, 16, torch.float32).to(DEVICE).requires_grad_()
+    y, ref = torch.compile(block, fullgraph=True)(x), block(x)
+    assert torch.allclose(y, ref, atol=1e-6)
+    wrt = [x, *norm.parameters(), *linear.parameters()]
+    grads = torch.autograd.grad((y * loss_weights(y)).sum(), wrt)
+    ref_grads = torch.autograd.grad((ref * loss_weights(ref)).sum(), wrt)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, ref_grads))
+
+
 def test_eager_calls_and_custom_ops_agree(triton_dtn):
     """Eager calls run the Python of the layer's custom ops in one autograd Function, without
     their dispatch; under a dispatch mode a layer is one custom op each way, the factors and the
