@@ -4,9 +4,8 @@ Each run is a subprocess of this interpreter on a tiny dataset made here: a few 
 Mask R-CNN with PVT-Tiny-DTN followed by COCO bbox and segm evaluation, Semantic FPN with mIoU, a
 2-process gloo run through dist_train.sh (with distributed COCO validation) and dist_test.sh, an
 mmpretrain image classifier on PVT-Tiny-DTN trained by dist_train.sh and evaluated (top-1) by
-tools/test.py, the
-slurm scripts through a stand-in srun, and RetinaNet PVT-Tiny-DTN killed mid-epoch, resumed, then
-evaluated with tools/test.py.
+tools/test.py, the slurm scripts through a stand-in srun, and RetinaNet PVT-Tiny-DTN killed
+mid-epoch, resumed, then evaluated with tools/test.py.
 """
 import json
 import math

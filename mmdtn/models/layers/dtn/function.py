@@ -143,9 +143,6 @@ class Gradients:
     weight: Tensor
     bias: Tensor
 
-    def tensors(self):
-        return [self.x, self.p_y, self.p_x, self.ratios, self.weight, self.bias]
-
 
 def dtn_forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
     """Eqs. 2, 4, 5 for contiguous tokens x (B, N, C) with the factors p_y (heads, Hp, Hp) and p_x

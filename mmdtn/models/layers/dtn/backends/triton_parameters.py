@@ -70,6 +70,13 @@ def specializations():
 
 
 # ---------------------------------------------------------------------------- the launches
+def _empty_parameters(pos_coef, rows, cols, channels):
+    """Uninitialised P_y, P_x (in a^h's dtype) and ratios (float32) for :func:`run_parameters`."""
+    heads = pos_coef.shape[0]
+    return (pos_coef.new_empty(heads, rows, rows), pos_coef.new_empty(heads, cols, cols),
+            pos_coef.new_empty(4, channels, dtype=torch.float32))
+
+
 def run_parameters(pos_coef: Tensor, mean_gate: Tensor, var_gate: Tensor, rows: int, cols: int,
                    d: int, layernorm: bool) -> tuple[Tensor, Tensor, Tensor]:
     """P_y (heads, rows, rows), P_x (heads, cols, cols) of :func:`..positional.axis_factors`
@@ -77,8 +84,7 @@ def run_parameters(pos_coef: Tensor, mean_gate: Tensor, var_gate: Tensor, rows: 
     from a^h (heads, 3) and the gates (heads,): one launch."""
     coef = pos_coef.contiguous()
     heads = coef.shape[0]
-    p_y, p_x = coef.new_empty(heads, rows, rows), coef.new_empty(heads, cols, cols)
-    channel_ratios = coef.new_empty(4, heads * d, dtype=torch.float32)
+    p_y, p_x, channel_ratios = _empty_parameters(coef, rows, cols, heads * d)
     _launch('triton.parameters', _parameters_spec(layernorm),
             (heads, factors.row_blocks(rows, cols) + 1), [coef, mean_gate, var_gate],
             [p_y, p_x, channel_ratios], coef, mean_gate, var_gate, p_y, p_x, channel_ratios,
@@ -114,10 +120,7 @@ class KernelParameters(FormedParameters):
         return [p_y, p_x, channel_ratios]
 
     def fake_kept(self, inputs, grid):
-        pos_coef, heads = inputs[0], inputs[0].shape[0]
-        return [pos_coef.new_empty(heads, grid.Hp, grid.Hp),
-                pos_coef.new_empty(heads, grid.Wp, grid.Wp),
-                pos_coef.new_empty(4, grid.C, dtype=torch.float32)]
+        return list(_empty_parameters(inputs[0], grid.Hp, grid.Wp, grid.C))
 
     def formed(self, inputs, kept):
         return kept
