@@ -162,15 +162,19 @@ def test_eager_calls_run_the_custom_ops_python_without_their_dispatch(backend_se
 
 
 def new_tensors_after(fn):
-    """``fn()`` under saved-tensor hooks that pack every saved tensor into a numpy copy; returns
-    its output and the tensors that the call left alive besides it (nothing, if the backward pass
-    keeps all it needs as saved tensors)."""
+    """``fn()`` under saved-tensor hooks that pack every saved tensor into a numpy copy (and its
+    device, where it is unpacked again); returns its output and the tensors that the call left
+    alive besides it (nothing, if the backward pass keeps all it needs as saved tensors)."""
     def pack(t):
-        return t.detach().numpy().copy()
+        return t.device, t.detach().cpu().numpy().copy()
+
+    def unpack(packed):
+        device, values = packed
+        return torch.from_numpy(values).to(device)
 
     gc.collect()
     before = {id(o) for o in gc.get_objects() if torch.is_tensor(o)}
-    with torch.autograd.graph.saved_tensors_hooks(pack, torch.from_numpy):
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         y = fn()
     gc.collect()
     return y, [o for o in gc.get_objects()

@@ -435,6 +435,35 @@ def test_backward_keeps_nothing_but_saved_tensors(triton_dtn, pool):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize('pool', [1, 2])
+def test_repeated_and_misaligned_calls_equal_the_first(triton_dtn, pool):
+    """On a GPU a repeated launch calls the compiled kernel of the first (:mod:`.triton_launch`),
+    and tokens at an address that is not a multiple of 16 bytes (a view one element into a
+    buffer) take a kernel compiled for them. Repeated calls equal the first exactly, misaligned
+    tokens equal it to float32 rounding."""
+    from mmdtn.models.layers.dtn.backends import triton_launch
+    norm = randomize(DynamicTokenNorm(24, 3, pool_size=pool)).to(DEVICE)
+    x = tokens(2, 6, 7, 24, torch.float32).to(DEVICE)
+    buffer = torch.empty(x.numel() + 1, device=DEVICE)
+    shifted = buffer[1:].view(x.shape).copy_(x)
+    assert shifted.data_ptr() % 16 != 0
+
+    def forward_backward(tokens_in):
+        xg = tokens_in.detach().requires_grad_()
+        y = norm(xg, (6, 7))
+        return [y, *torch.autograd.grad((y * loss_weights(y)).sum(), [xg, *norm.parameters()])]
+
+    first = forward_backward(x)
+    for _ in range(2):
+        for a, b in zip(forward_backward(x), first):
+            assert torch.equal(a, b)
+    for a, b in zip(forward_backward(shifted), first):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    if DEVICE == 'cuda':
+        keys = triton_launch._compiled_launches.compiled
+        assert any((torch.float32, False) in key for key in keys)
+
+
 def test_auto_takes_triton_for_cuda_tensors_and_says_once_why_not(monkeypatch, backend_setting):
     """auto takes the Triton kernels for CUDA tensors of every pooling; where they cannot run it
     takes the 'torch' backend and says why, once."""

@@ -47,11 +47,12 @@ AUTOCAST_AVAILABLE = {kind: torch.amp.is_autocast_available(kind)
 
 
 def no_autocast(device):
-    """Autocast off on ``device`` (a device or its type), where autocast exists (not on 'meta')."""
+    """Autocast off on ``device`` (a device or its type), where autocast exists (not on 'meta');
+    no context where it is off already (nested calls, backward passes: host time)."""
     kind = getattr(device, 'type', device)
     if kind not in AUTOCAST_AVAILABLE:
         AUTOCAST_AVAILABLE[kind] = torch.amp.is_autocast_available(kind)
-    if AUTOCAST_AVAILABLE[kind]:
+    if AUTOCAST_AVAILABLE[kind] and torch.is_autocast_enabled(kind):
         return torch.autocast(kind, enabled=False)
     return contextlib.nullcontext()
 

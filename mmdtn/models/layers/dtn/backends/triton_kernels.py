@@ -33,8 +33,9 @@ moved fewer bytes but took 7x LayerNorm's time on an H200 at pooling 4 and 150-4
 pooling (README, "DTN on GPUs"), each program walking the band of every cell it held at up to 250
 registers a thread.
 
-Every launch is recorded with the bytes of its operands (:func:`.base.record_launch`); with meta
-tensors the launches are only recorded, which gives the traffic of any shape without a GPU.
+Every launch goes through :func:`.triton_launch.launch`, which records it with the bytes of its
+operands (with meta tensors it is only recorded: the traffic of any shape without a GPU) and, on
+CUDA tensors, calls the compiled kernel without Triton's argument binding after the first time.
 """
 import functools
 
@@ -42,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import record_launch, recording
+from .triton_launch import launch
 
 __all__ = ['sample_centre', 'moments', 'output', 'token_gradients', 'input_gradient',
            'specializations', 'TOKEN_POINTERS']
@@ -66,20 +67,6 @@ TOKEN_POINTERS = ('x_ptr', 'g_ptr', 'y_ptr', 'dx_ptr')
 #: Runtime integers that change with the resolution: never specialised (no recompilation).
 _SIZES = ['H', 'W', 'C', 'd', 'm_sb', 'm_srow', 'm_scol', 'm_shead', 't_sb', 't_srow',
           't_scol', 't_shead']
-
-
-def _bytes(*tensors):
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-def _launch(name, spec, grid, reads, writes, *args):
-    """Records the launch of ``spec`` = (kernel, constexprs, num_warps) and, unless the tensors
-    are meta tensors (traffic counts only), launches it."""
-    kernel, constexprs, num_warps = spec
-    if recording():
-        record_launch(name, _bytes(*reads), _bytes(*writes))
-    if reads[0].device.type != 'meta':
-        kernel[grid](*args, **constexprs, num_warps=num_warps)
 
 
 def _cdiv(a, b):
@@ -300,8 +287,8 @@ def moments(x, centre, grid, square_of_pooled=False):
     first, second = (grid.from_column_major(T[:, :, k]) for k in range(2))
     spec = _moments_spec(C, grid.pool, square_of_pooled)
     programs = (B * grid.Hp, _cdiv(grid.Wp, spec[1]['CELLS']))
-    _launch('triton.moments', spec, programs, [x, centre], [T], x, centre.contiguous(), first,
-            second, grid.H, grid.W, C, grid.d, *_layout(first))
+    launch('triton.moments', spec, programs, [x, centre], [T], x, centre.contiguous(), first,
+           second, grid.H, grid.W, C, grid.d, *_layout(first))
     return T
 
 
@@ -346,9 +333,9 @@ def output(x, centre, m_first, m_second, ratios, weight, bias, eps, n_var, grid)
     y = torch.empty_like(x)
     spec = _output_spec(C, grid.pool)
     programs = (B * grid.Hp, _cdiv(grid.Wp, spec[1]['CELLS']))
-    _launch('triton.output', spec, programs, [x, m_first, m_second, centre, ratios, weight, bias],
-            [y], x, m_first, m_second, centre.contiguous(), ratios, weight, bias, y, grid.H,
-            grid.W, C, grid.d, *_layout(m_first), float(eps), float(n_var))
+    launch('triton.output', spec, programs, [x, m_first, m_second, centre, ratios, weight, bias],
+           [y], x, m_first, m_second, centre.contiguous(), ratios, weight, bias, y, grid.H,
+           grid.W, C, grid.d, *_layout(m_first), float(eps), float(n_var))
     return y
 
 
@@ -432,10 +419,10 @@ def token_gradients(g, x, centre, m_first, m_second, ratios, weight, eps, n_var,
     spec = _token_gradients_spec(C, grid.pool)
     programs = (B * grid.Hp, _cdiv(grid.Wp, spec[1]['CELLS'] * spec[1]['TILES']))
     partial = torch.empty(programs[0] * programs[1], 6, C, dtype=torch.float32, device=x.device)
-    _launch('triton.token_gradients', spec, programs,
-            [g, x, m_first, m_second, centre, ratios, weight], [dm, partial], x, g, m_first,
-            m_second, centre.contiguous(), ratios, weight, dm_first, dm_second, partial, grid.H,
-            grid.W, C, grid.d, *_layout(m_first), float(eps), float(n_var))
+    launch('triton.token_gradients', spec, programs,
+           [g, x, m_first, m_second, centre, ratios, weight], [dm, partial], x, g, m_first,
+           m_second, centre.contiguous(), ratios, weight, dm_first, dm_second, partial, grid.H,
+           grid.W, C, grid.d, *_layout(m_first), float(eps), float(n_var))
     return dm, partial
 
 
@@ -470,8 +457,8 @@ def parameter_gradients(partial):
     programs, rows, C = partial.shape
     ratios, weight, bias = (partial.new_empty(shape) for shape in ((4, C), (C, ), (C, )))
     spec = _parameter_gradients_spec()
-    _launch('triton.parameter_gradients', spec, (_cdiv(C, spec[1]['BLOCK_C']), rows), [partial],
-            [ratios, weight, bias], partial, ratios, weight, bias, programs, C)
+    launch('triton.parameter_gradients', spec, (_cdiv(C, spec[1]['BLOCK_C']), rows), [partial],
+           [ratios, weight, bias], partial, ratios, weight, bias, programs, C)
     return ratios, weight, bias
 
 
@@ -546,11 +533,11 @@ def input_gradient(g, x, centre, m_first, m_second, ratios, weight, eps, n_var, 
     dx = torch.empty_like(x)
     spec = _input_gradient_spec(C, grid.pool, t_second is not None)
     programs = (B * grid.Hp, _cdiv(grid.Wp, spec[1]['CELLS']))
-    _launch('triton.input_gradient', spec, programs,
-            [g, x, m_first, m_second, centre, ratios, weight, t_first, t_second], [dx], x, g,
-            m_first, m_second, centre.contiguous(), ratios, weight, t_first,
-            t_first if t_second is None else t_second, dx, grid.H, grid.W, C, grid.d,
-            *_layout(m_first), *_layout(t_first), float(eps), float(n_var))
+    launch('triton.input_gradient', spec, programs,
+           [g, x, m_first, m_second, centre, ratios, weight, t_first, t_second], [dx], x, g,
+           m_first, m_second, centre.contiguous(), ratios, weight, t_first,
+           t_first if t_second is None else t_second, dx, grid.H, grid.W, C, grid.d,
+           *_layout(m_first), *_layout(t_first), float(eps), float(n_var))
     return dx
 
 

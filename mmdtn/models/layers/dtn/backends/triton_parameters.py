@@ -17,7 +17,7 @@ from torch import Tensor
 from ..function import FormedParameters
 from . import triton_factors as factors
 from . import triton_ratios as ratios
-from .triton_kernels import _launch
+from .triton_launch import launch
 
 __all__ = ['run_parameters', 'run_parameters_backward', 'KernelParameters', 'specializations']
 
@@ -85,10 +85,10 @@ def run_parameters(pos_coef: Tensor, mean_gate: Tensor, var_gate: Tensor, rows: 
     coef = pos_coef.contiguous()
     heads = coef.shape[0]
     p_y, p_x, channel_ratios = _empty_parameters(coef, rows, cols, heads * d)
-    _launch('triton.parameters', _parameters_spec(layernorm),
-            (heads, factors.row_blocks(rows, cols) + 1), [coef, mean_gate, var_gate],
-            [p_y, p_x, channel_ratios], coef, mean_gate, var_gate, p_y, p_x, channel_ratios,
-            rows, cols, heads * d, d)
+    launch('triton.parameters', _parameters_spec(layernorm),
+           (heads, factors.row_blocks(rows, cols) + 1), [coef, mean_gate, var_gate],
+           [p_y, p_x, channel_ratios], coef, mean_gate, var_gate, p_y, p_x, channel_ratios,
+           rows, cols, heads * d, d)
     return p_y, p_x, channel_ratios
 
 
@@ -100,10 +100,10 @@ def run_parameters_backward(p_y: Tensor, p_x: Tensor, grad_y: Tensor, grad_x: Te
     heads, rows, cols = p_y.shape[0], p_y.shape[1], p_x.shape[1]
     grad_coef = p_y.new_empty(heads, 3)
     grad_mean, grad_var = torch.empty_like(mean_gate), torch.empty_like(var_gate)
-    _launch('triton.parameters_backward', _parameters_backward_spec(layernorm), (heads, ),
-            [p_y, p_x, grad_y, grad_x, mean_gate, var_gate, grad_ratios],
-            [grad_coef, grad_mean, grad_var], p_y, p_x, grad_y, grad_x, mean_gate, var_gate,
-            grad_ratios, grad_coef, grad_mean, grad_var, rows, cols, heads * d, d)
+    launch('triton.parameters_backward', _parameters_backward_spec(layernorm), (heads, ),
+           [p_y, p_x, grad_y, grad_x, mean_gate, var_gate, grad_ratios],
+           [grad_coef, grad_mean, grad_var], p_y, p_x, grad_y, grad_x, mean_gate, var_gate,
+           grad_ratios, grad_coef, grad_mean, grad_var, rows, cols, heads * d, d)
     return grad_coef, grad_mean, grad_var
 
 

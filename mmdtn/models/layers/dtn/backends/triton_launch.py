@@ -1,0 +1,80 @@
+"""Launching the Triton backend's kernels with little host time.
+
+At batch 2 a DynamicTokenNorm layer on a GPU waits for the host (README, "DTN on GPUs"), and a
+launch through ``kernel[grid](...)`` spends most of its host time in Triton's argument binding:
+the type and specialisation of every argument, the cache key, the compiled kernel's lookup. A
+launch here does that once for each :func:`launch_key` and then calls the compiled kernel
+itself (``CompiledKernel[grid]``), which takes the current device's stream and Triton's launch
+hooks as the binding path does.
+
+The key holds more than Triton specialises a kernel on, never less: for every tensor its dtype
+and whether its address is a multiple of 16 bytes (Triton's alignment specialisation), every
+other argument by value (integers are specialised on being 1 or a multiple of 16, and typed by
+their range), the constexprs, the number of warps and the current device (a compiled kernel is
+loaded once per device). Any argument that differs from a cached launch's is a new key, which
+binds through Triton again, so a cached kernel never runs arguments it was not compiled for.
+
+In Triton's interpreter (``TRITON_INTERPRET=1``) every launch binds: there are no compiled
+kernels. With meta tensors a launch is only recorded (:func:`.base.record_launch`), which gives
+the traffic of any shape without a GPU.
+"""
+import torch
+
+from .base import record_launch, recording
+
+__all__ = ['launch', 'launch_key', 'CompiledLaunches']
+
+
+def _bytes(*tensors):
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def launch_key(kernel, constexprs, num_warps, device, args):
+    """What selects the compiled kernel of a launch (see the module docstring)."""
+    return (kernel, num_warps, device, *constexprs.items(),
+            *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a
+              for a in args])
+
+
+class CompiledLaunches:
+    """The compiled kernels of past launches by :func:`launch_key`, each with the values of its
+    constexprs in the kernel's argument order (a compiled kernel takes every argument
+    positionally). A kernel whose constexprs are not all after the arguments passed, or whose
+    launch returned no compiled kernel, always binds through Triton. Holds no tensors: kernels
+    and numbers only; at ``limit`` keys (many resolutions) it starts again."""
+
+    def __init__(self, limit=8192):
+        self.compiled, self.limit = {}, limit
+
+    def __call__(self, kernel, constexprs, num_warps, grid, args, device):
+        key = launch_key(kernel, constexprs, num_warps, device, args)
+        cached = self.compiled.get(key)
+        if cached is not None:
+            compiled, constants = cached
+            compiled[(*grid, 1, 1)[:3]](*args, *constants)
+            return
+        compiled = kernel[grid](*args, **constexprs, num_warps=num_warps)
+        if len(self.compiled) >= self.limit:
+            self.compiled.clear()
+        after = list(getattr(kernel, 'arg_names', ()))[len(args):]
+        if compiled is not None and sorted(after) == sorted(constexprs):
+            self.compiled[key] = compiled, tuple(constexprs[name] for name in after)
+
+
+_compiled_launches = CompiledLaunches()
+
+
+def launch(name, spec, grid, reads, writes, *args):
+    """Records the launch of ``spec`` = (kernel, constexprs, num_warps) on ``grid`` (1 to 3
+    program counts) with ``args`` and, unless the tensors are meta tensors (traffic counts only),
+    launches it: on CUDA tensors through :class:`CompiledLaunches`, elsewhere (the interpreter)
+    through Triton's binding."""
+    kernel, constexprs, num_warps = spec
+    if recording():
+        record_launch(name, _bytes(*reads), _bytes(*writes))
+    device = reads[0].device
+    if device.type == 'cuda':
+        _compiled_launches(kernel, constexprs, num_warps, grid, args,
+                           torch.cuda.current_device())
+    elif device.type != 'meta':
+        kernel[grid](*args, **constexprs, num_warps=num_warps)
