@@ -10,7 +10,7 @@ column-major, (heads, Wp, 2, B, Hp, d), so that P_x^h multiplies all of a head's
 matrix product; the results u = P_x T and m = P_y u are head-major, (heads, 2, B, Hp, Wp, d), where
 P_y^h multiplies all rows of a head at once.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +21,8 @@ __all__ = ['TokenGrid']
 @dataclass(frozen=True)
 class TokenGrid:
     """Sizes of one call (plain ints: a constant for ``torch.compile``, symbolic under dynamic
-    shapes), and views between the layouts of its tensors."""
+    shapes), and views between the layouts of its tensors. The derived sizes (N, d, Hp, Wp,
+    pooled) are attributes, set once: the passes read them many times per call."""
 
     B: int
     H: int
@@ -29,33 +30,23 @@ class TokenGrid:
     C: int
     heads: int
     pool: int
+    N: int = field(init=False, compare=False)  # tokens, H W
+    d: int = field(init=False, compare=False)  # channels per head
+    Hp: int = field(init=False, compare=False)  # cell rows
+    Wp: int = field(init=False, compare=False)  # cell columns
+    pooled: bool = field(init=False, compare=False)
+
+    def __post_init__(self):
+        for name, value in (('N', self.H * self.W), ('d', self.C // self.heads),
+                            ('Hp', -(-self.H // self.pool)), ('Wp', -(-self.W // self.pool)),
+                            ('pooled', self.pool > 1)):
+            object.__setattr__(self, name, value)
 
     @classmethod
     def of(cls, x, hw_shape, heads, pool):
         """The grid of tokens ``x`` (B, N, C) on ``hw_shape`` = (H, W)."""
         B, _, C = x.shape
         return cls(B, hw_shape[0], hw_shape[1], C, heads, pool)
-
-    @property
-    def N(self):
-        return self.H * self.W
-
-    @property
-    def d(self):
-        """Channels per head."""
-        return self.C // self.heads
-
-    @property
-    def Hp(self):
-        return -(-self.H // self.pool)
-
-    @property
-    def Wp(self):
-        return -(-self.W // self.pool)
-
-    @property
-    def pooled(self):
-        return self.pool > 1
 
     # ---------------------------------------------------------------- tokens and cells
     def cell_counts(self, device, dtype):
