@@ -1,8 +1,11 @@
 """The Triton backend's launches (:mod:`mmdtn.models.layers.dtn.backends.triton_launch`): a
 repeated launch calls the compiled kernel of the first, and only for arguments that Triton would
 have compiled the same kernel for. Fake kernels record what is called: no GPU, no Triton."""
+import contextlib
+
 import torch
 
+from mmdtn.models.layers.dtn.backends import triton_launch
 from mmdtn.models.layers.dtn.backends.triton_launch import CompiledLaunches
 
 
@@ -95,3 +98,25 @@ def test_a_kernel_whose_constexprs_are_not_its_last_arguments_always_binds():
     for _ in range(2):
         launches(kernel, {'BLOCK': 8}, 1, (1, ), (x, 8), 0)
     assert kinds(kernel) == ['bind', 'bind'] and not launches.compiled
+
+
+def test_a_launch_runs_on_the_device_of_its_tensors(monkeypatch):
+    """Triton launches on the current device: tensors on another CUDA device make theirs current
+    for the launch, and the compiled kernel is kept for their device."""
+    class Tokens:
+        device = torch.device('cuda', 1)
+
+    entered = []
+
+    @contextlib.contextmanager
+    def current(device):
+        entered.append(device)
+        yield
+
+    monkeypatch.setattr(torch.cuda, 'current_device', lambda: 0)
+    monkeypatch.setattr(torch.cuda, 'device', current)
+    monkeypatch.setattr(triton_launch, '_compiled_launches', CompiledLaunches())
+    kernel = FakeKernel(['x_ptr', 'BLOCK'])
+    triton_launch.launch('fake', (kernel, {'BLOCK': 8}, 1), (1, ), [Tokens()], [], 5)
+    assert entered == [torch.device('cuda', 1)] and kinds(kernel) == ['bind']
+    assert [key[2] for key in triton_launch._compiled_launches.compiled] == [1]

@@ -67,14 +67,18 @@ _compiled_launches = CompiledLaunches()
 def launch(name, spec, grid, reads, writes, *args):
     """Records the launch of ``spec`` = (kernel, constexprs, num_warps) on ``grid`` (1 to 3
     program counts) with ``args`` and, unless the tensors are meta tensors (traffic counts only),
-    launches it: on CUDA tensors through :class:`CompiledLaunches`, elsewhere (the interpreter)
-    through Triton's binding."""
+    launches it: on CUDA tensors through :class:`CompiledLaunches`, on the tensors' device (the
+    current device is switched where it differs: Triton launches on the current one), elsewhere
+    (the interpreter) through Triton's binding."""
     kernel, constexprs, num_warps = spec
     if recording():
         record_launch(name, _bytes(*reads), _bytes(*writes))
     device = reads[0].device
     if device.type == 'cuda':
-        _compiled_launches(kernel, constexprs, num_warps, grid, args,
-                           torch.cuda.current_device())
+        if device.index == torch.cuda.current_device():
+            _compiled_launches(kernel, constexprs, num_warps, grid, args, device.index)
+        else:  # Triton launches on the current device: make it the tensors'
+            with torch.cuda.device(device):
+                _compiled_launches(kernel, constexprs, num_warps, grid, args, device.index)
     elif device.type != 'meta':
         kernel[grid](*args, **constexprs, num_warps=num_warps)
