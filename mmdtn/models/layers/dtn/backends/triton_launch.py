@@ -4,7 +4,7 @@ At batch 2 a DynamicTokenNorm layer on a GPU waits for the host (README, "DTN on
 launch through ``kernel[grid](...)`` spends much of its host time in Triton's argument binding:
 the type and specialisation of every argument, the cache key, the compiled kernel's lookup (on
 an H200 node 16 us a launch of a 6-argument kernel against 9-10 us through its compiled kernel;
-the backend's kernels take 15 to 30 arguments). A launch here does that once for each
+the backend's kernels take up to 30 arguments). A launch here does that once for each
 :func:`launch_key` and then calls the compiled kernel itself (``CompiledKernel[grid]``), which
 takes the current device's stream and Triton's launch hooks as the binding path does.
 
