@@ -120,3 +120,16 @@ def test_a_launch_runs_on_the_device_of_its_tensors(monkeypatch):
     triton_launch.launch('fake', (kernel, {'BLOCK': 8}, 1), (1, ), [Tokens()], [], 5)
     assert entered == [torch.device('cuda', 1)] and kinds(kernel) == ['bind']
     assert [key[2] for key in triton_launch._compiled_launches.compiled] == [1]
+
+
+def test_a_launch_that_returns_no_compiled_kernel_always_binds():
+    """Triton's interpreter returns nothing from a launch: such a kernel binds every time."""
+    class InterpretedKernel(FakeKernel):
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: self.calls.append(('bind', ))
+
+    kernel = InterpretedKernel(['x_ptr', 'BLOCK'])
+    launches = CompiledLaunches()
+    for _ in range(2):
+        launches(kernel, {'BLOCK': 8}, 1, (1, ), (torch.zeros(8), ), 0)
+    assert kinds(kernel) == ['bind', 'bind'] and not launches.compiled

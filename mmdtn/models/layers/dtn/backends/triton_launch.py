@@ -41,8 +41,8 @@ class CompiledLaunches:
     """The compiled kernels of past launches by :func:`launch_key`, each with the values of its
     constexprs in the kernel's argument order (a compiled kernel takes every argument
     positionally). A kernel whose constexprs are not all after the arguments passed, or whose
-    launch returned no compiled kernel, always binds through Triton. Holds no tensors: kernels
-    and numbers only; at ``limit`` keys (many resolutions) it starts again."""
+    launch returns no compiled kernel (the interpreter), always binds through Triton. Holds no
+    tensors: kernels and numbers only; at ``limit`` keys (many resolutions) it starts again."""
 
     def __init__(self, limit=8192):
         self.compiled, self.limit = {}, limit
@@ -58,7 +58,7 @@ class CompiledLaunches:
         if len(self.compiled) >= self.limit:
             self.compiled.clear()
         after = list(getattr(kernel, 'arg_names', ()))[len(args):]
-        if compiled is not None and sorted(after) == sorted(constexprs):
+        if hasattr(compiled, '__getitem__') and sorted(after) == sorted(constexprs):
             self.compiled[key] = compiled, tuple(constexprs[name] for name in after)
 
 
