@@ -330,3 +330,7 @@ def test_kernels_table_of_the_layer_benchmark(backend_setting, capsys):
     out = capsys.readouterr().out
     assert 'tiny s1 8x12x16 p2, LN:' in out and 'tiny s1 8x12x16 p2, DTN torch:' in out
     assert 'aten::native_layer_norm' in out and 'aten::bmm' in out and '%  x' in out
+    kernels_table(args, torch.device('cpu'), ['torch'], progress=mock.Mock(), host=True)
+    out = capsys.readouterr().out
+    assert out.lstrip().startswith('Host time of one forward + backward')
+    assert 'DTN torch:' in out and 'aten::bmm' in out

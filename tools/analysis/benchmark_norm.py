@@ -31,11 +31,14 @@ Shapes: the stages of PVT-Tiny and of Swin-T for an 800 x 1344 input (B = 2; PVT
    events of PyTorch's CPU allocator recorded by ``torch.profiler``. The dense formulation of the
    paper (:mod:`mmdtn.models.layers.dtn.reference`, an explicit T x T P^h) is timed where its
    T x T tensors fit ``--dense-limit-gb``.
+4. With ``--tables kernels``, the largest kernels of every layer (CUDA: GPU time; CPU: the
+   operations' own CPU time); with ``--tables host``, on any device, where the host's time goes:
+   the own CPU time of every operation and of the Python inside a DTN layer's autograd Function.
 
 Usage::
 
     python tools/analysis/benchmark_norm.py [--device cpu|cuda] [--backends cpu torch ...]
-        [--tables traffic model time kernels] [--stages pvt_tiny:1 ...]
+        [--tables traffic model time kernels host] [--stages pvt_tiny:1 ...]
         [--dtype float32|float16|bfloat16] [--threads N] [--repeats 5] [--clock wall|cpu]
         [--compile] [--dense-limit-gb 2]
 """
@@ -394,13 +397,16 @@ def time_table(args, device, names, progress):
 PROFILED_CALLS, KERNELS_SHOWN = 5, 12
 
 
-def kernels_table(args, device, names, progress):
+def kernels_table(args, device, names, progress, host=False):
     """The kernels (CUDA: GPU time of each) or operations (CPU: their own CPU time) that take most
     of one forward + backward of every DTN backend and of LayerNorm, from ``torch.profiler``:
-    microseconds and launches per call, largest first."""
+    microseconds and launches per call, largest first. With ``host``, on any device, the host's
+    own CPU time in every operation, and in the Python inside a DTN layer's autograd Function
+    (its own time: the orchestration and the launches of compiled kernels)."""
     from torch.profiler import ProfilerActivity, profile
-    gpu = device.type == 'cuda'
-    print(f'\nKernels of one forward + backward, batch {args.batch}, {args.dtype}, {device.type}'
+    gpu = device.type == 'cuda' and not host
+    title = 'Host time' if host else 'Kernels'
+    print(f'\n{title} of one forward + backward, batch {args.batch}, {args.dtype}, {device.type}'
           f' (torch.profiler, {PROFILED_CALLS} calls; {"GPU" if gpu else "own CPU"} time)')
     for model, stage, C, H, W, pool, heads in args.stages:
         x, grad = inputs(C, H, W, args.batch, device, DTYPES[args.dtype])
@@ -453,9 +459,10 @@ def main():
                         help='DTN backends to measure (default: all that run on the device, and '
                         'triton, counted on meta tensors where no GPU runs it)')
     parser.add_argument('--tables', nargs='+', default=['traffic', 'model', 'time'],
-                        choices=['traffic', 'model', 'time', 'kernels'],
+                        choices=['traffic', 'model', 'time', 'kernels', 'host'],
                         help='kernels: the largest kernels (CUDA) or operations (CPU) of every '
-                        'layer, from torch.profiler (not in the default)')
+                        'layer, from torch.profiler; host: where the host\'s time goes on any '
+                        'device (neither in the default)')
     add_stages_argument(parser)
     parser.add_argument('--dtype', default='float32', choices=sorted(DTYPES),
                         help='dtype of the tokens (the parameters stay float32)')
@@ -494,7 +501,8 @@ def main():
     print(f'device={device} threads={torch.get_num_threads()} torch {torch.__version__} '
           f'backends {backends}')
     steps = len(args.stages) * (bool({'traffic', 'model'} & set(args.tables))
-                                + ('time' in args.tables) + ('kernels' in args.tables))
+                                + ('time' in args.tables) + ('kernels' in args.tables)
+                                + ('host' in args.tables))
     with tqdm(total=steps, desc='stages') as progress:
         if {'traffic', 'model'} & set(args.tables):
             counts = traffic_table(args, device, backends + counted, progress)
@@ -504,6 +512,8 @@ def main():
             time_table(args, device, [name for name, _ in backends], progress)
         if 'kernels' in args.tables:
             kernels_table(args, device, [name for name, _ in backends], progress)
+        if 'host' in args.tables:
+            kernels_table(args, device, [name for name, _ in backends], progress, host=True)
 
 
 if __name__ == '__main__':
