@@ -368,9 +368,9 @@ def define_traced_function(backend, parameters=FORMED):
     tracer records.
 
     Returns:
-        callable: ``apply(x, p_y, p_x, ratios, weight, bias, grid, eps, convention,
-        layernorm=False) -> y``, with the three parameter inputs of ``parameters``
-        (:class:`FormedParameters`).
+        callable: ``apply(x, a, b, c, weight, bias, grid, eps, convention, layernorm=False) ->
+        y``, with a, b, c the three parameter inputs of ``parameters`` (by default P_y, P_x and
+        the ratios: :class:`FormedParameters`).
     """
 
     class TracedDynamicTokenNorm(torch.autograd.Function):
@@ -423,9 +423,8 @@ def define_custom_ops(backend, name, parameters=FORMED):
     eager calls (:func:`watched`) the same passes run in :func:`define_traced_function`'s Function.
 
     Returns:
-        callable: ``apply(x, p_y, p_x, ratios, weight, bias, grid, eps, convention,
-        layernorm=False) -> y``, with the three parameter inputs of ``parameters``
-        (:class:`FormedParameters`).
+        callable: ``apply(x, a, b, c, weight, bias, grid, eps, convention, layernorm=False) ->
+        y``, as :func:`define_traced_function`'s.
     """
 
     def run_forward(x: Tensor, a: Tensor, b: Tensor, c: Tensor, weight: Tensor, bias: Tensor,

@@ -15,7 +15,7 @@ from ..gates import channel_ratios
 from ..positional import axis_factors
 
 __all__ = ['Backend', 'DenseFactor', 'per_head', 'KernelLaunch', 'recording_launches',
-           'recording', 'record_launch', 'RecordedKernels']
+           'recording', 'record_launch', 'tensor_bytes', 'RecordedKernels']
 
 
 class Backend:
@@ -198,7 +198,8 @@ def record_launch(name, read, written):
         _records[-1].append(KernelLaunch(name, read, written))
 
 
-def _tensor_bytes(values):
+def tensor_bytes(values):
+    """Bytes of the tensors among ``values`` (anything else, None too, counts nothing)."""
     return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
 
 
@@ -226,8 +227,8 @@ class RecordedKernels:
             out = fn(**kwargs)
             if recording():
                 results = out if isinstance(out, (list, tuple)) else [out]
-                written = _tensor_bytes(results) + _tensor_bytes(kwargs[k] for k in in_place)
-                read = _tensor_bytes(v for k, v in kwargs.items() if k not in destinations)
+                written = tensor_bytes(results) + tensor_bytes(kwargs[k] for k in in_place)
+                read = tensor_bytes(v for k, v in kwargs.items() if k not in destinations)
                 record_launch(label, read, written)
             return out
 

@@ -21,13 +21,9 @@ the traffic of any shape without a GPU.
 """
 import torch
 
-from .base import record_launch, recording
+from .base import record_launch, recording, tensor_bytes
 
 __all__ = ['launch', 'launch_key', 'CompiledLaunches']
-
-
-def _bytes(*tensors):
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def launch_key(kernel, constexprs, num_warps, device, args):
@@ -73,7 +69,7 @@ def launch(name, spec, grid, reads, writes, *args):
     (the interpreter) through Triton's binding."""
     kernel, constexprs, num_warps = spec
     if recording():
-        record_launch(name, _bytes(*reads), _bytes(*writes))
+        record_launch(name, tensor_bytes(reads), tensor_bytes(writes))
     device = reads[0].device
     if device.type == 'cuda':
         if device.index == torch.cuda.current_device():
