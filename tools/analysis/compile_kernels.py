@@ -48,7 +48,7 @@ LIMITS = {80: dict(registers=255, shared_bytes=163 * 1024),
 
 
 def dtn_layers(model, sizes):
-    """{(C, pool, reference convention)} of the DTN layers of backbone ``model``; a forward pass on
+    """{(C, pool, heads)} of the DTN layers of backbone ``model``; a forward pass on
     meta tensors at every size records the grids they see (and checks that every size runs)."""
     from mmdet.registry import MODELS as REGISTRY
     from mmengine.registry import init_default_scope
@@ -62,7 +62,7 @@ def dtn_layers(model, sizes):
 
     for m in backbone.modules():
         if isinstance(m, DynamicTokenNorm):
-            layers.add((m.num_features, m.pool_size))
+            layers.add((m.num_features, m.pool_size, m.num_heads))
             m.register_forward_pre_hook(record)
     mmdtn.set_dtn_backend('triton')
     with torch.no_grad():
@@ -141,8 +141,8 @@ def main():
         layers |= model_layers
         grids[model] = sorted(model_grids)
     conventions = [False, True] if args.reference_compat else [False]
-    specs = [spec for C, pool in sorted(layers) for square in conventions
-             for spec in specializations(C, pool, square)]
+    specs = [spec for C, pool, heads in sorted(layers) for square in conventions
+             for spec in specializations(C, pool, heads, square)]
     specs += triton_parameters.specializations() + triton_band.specializations()
     jobs = {}
     for kernel, constexprs, warps in specs:

@@ -155,7 +155,7 @@ def dtn_forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps, conventio
 
 
 def _forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
-    if backend.fuses_products(x, grid, p_x):
+    if backend.fuses_forward_products(x, grid, p_x):
         return backend.fused_forward(x, p_y, p_x, ratios, weight, bias, eps, grid, convention)
     stats = backend.statistics(x, grid, convention)
     factor_y, factor_x = backend.factor(p_y), backend.factor(p_x)

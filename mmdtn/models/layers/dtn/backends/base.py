@@ -114,6 +114,12 @@ class Backend:
         parameters, replace the staged passes)."""
         return False
 
+    def fuses_forward_products(self, x, grid, p_x):
+        """Whether the forward pass fuses the positional products with its passes over the tokens
+        (:meth:`fused_forward`), also where backward keeps the staged passes: by default as
+        :meth:`fuses_products`."""
+        return self.fuses_products(x, grid, p_x)
+
     def fused_forward(self, x, p_y, p_x, ratios, weight, bias, eps, grid, convention):
         """y and the :class:`..function.Saved` of the forward pass with the products fused: the
         statistics pass, then ``fused_output(x, stats, p_y, p_x, ratios, weight, bias, eps,

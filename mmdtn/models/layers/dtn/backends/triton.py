@@ -27,16 +27,18 @@ import os
 
 import torch
 
-from ..function import FormedParameters, TokenMoments, TokenStatistics, define_custom_ops
+from ..function import (FormedParameters, Saved, TokenMoments, TokenStatistics,
+                        define_custom_ops)
 from .base import Backend
 
 try:
     from .triton_band import BandFactor
     from . import triton_kernels as kernels
+    from .triton_fused import fused_output
     from .triton_parameters import KernelParameters
     _MISSING = None
 except ImportError as error:  # pragma: no cover - PyTorch builds without triton
-    kernels, BandFactor = None, None
+    kernels, BandFactor, fused_output = None, None, None
     KernelParameters = FormedParameters  # the op is defined, never run: supports() says why
     _MISSING = f'triton cannot be imported ({error})'
 
@@ -86,6 +88,15 @@ class TritonBackend(Backend):
         T = (kernels.moments(x, centre, grid, convention.square_of_pooled) if grid.pooled
              else self.token_moments(x, centre, grid))
         return TokenStatistics(None, None, centre, None, None, T)
+
+    def fuses_forward_products(self, x, grid, p_x):
+        return not grid.pooled  # backward keeps the staged passes
+
+    def fused_forward(self, x, p_y, p_x, ratios, weight, bias, eps, grid, convention):
+        centre = kernels.sample_centre(x)
+        y = fused_output(x, centre, p_y, p_x, ratios, weight, bias, eps,
+                         convention.ln_divisor(grid.C), grid)
+        return y, Saved(None, None, centre)
 
     @staticmethod
     def _products(m, grid):

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_fused as fused
 from .triton_launch import launch
 
 __all__ = ['sample_centre', 'moments', 'output', 'token_gradients', 'input_gradient',
@@ -548,11 +549,15 @@ def _input_gradient_spec(C, pool, second):
     return _input_gradient_kernel, constexprs, 2 if constexprs['C_BLOCK'] <= 32 else warps
 
 
-def specializations(C, pool, square_of_pooled=False):
-    """The compiled kernels one DTN layer of C channels and pooling ``pool`` launches, forward and
-    backward, as (kernel, constexprs, num_warps): what a GPU compiles for it (the tokens' dtype
-    aside). The image size is not part of it."""
+def specializations(C, pool, heads, square_of_pooled=False):
+    """The compiled kernels one DTN layer of C channels in ``heads`` heads and pooling ``pool``
+    launches over the tokens, forward and backward, as (kernel, constexprs, num_warps): what a GPU
+    compiles for it (the tokens' dtype aside). The image size is not part of it. Without pooling
+    the forward pass is one fused kernel (:mod:`.triton_fused`)."""
     second = pool == 1 or not square_of_pooled
-    moments = [_moments_spec(C, pool, square_of_pooled)] if pool > 1 else []  # TokenMoments
-    return moments + [_output_spec(C, pool), _token_gradients_spec(C, pool),
-                      _parameter_gradients_spec(), _input_gradient_spec(C, pool, second)]
+    if pool > 1:
+        forward = [_moments_spec(C, pool, square_of_pooled), _output_spec(C, pool)]
+    else:
+        forward = fused.specializations(C // heads)
+    return forward + [_token_gradients_spec(C, pool), _parameter_gradients_spec(),
+                      _input_gradient_spec(C, pool, second)]
