@@ -11,9 +11,10 @@ Four kernels read and write the tokens: the moments T of the cells (x read once)
 and the input gradient (g and x read, dx written). Between them the positional products run on
 the cell grid, one axis at a time (:mod:`..function`), in float32, over the nonzero band of
 each factor (:mod:`.triton_band`). Without pooling the forward pass is one kernel instead
-(:mod:`.triton_fused`: Eq. 2, the products and the output, x read once and y written once), and
-backward never stores T (x - centre and its square, four times the bytes of 16-bit tokens): the
-products with P_x form it from the tokens where they read it (:class:`..function.TokenMoments`).
+(:mod:`.triton_fused`: Eq. 2, the products and the output, x read once and y written once; heads
+of up to 128 channels), and backward never stores T (x - centre and its square, four times the
+bytes of 16-bit tokens): the products with P_x form it from the tokens where they read it
+(:class:`..function.TokenMoments`).
 
 A layer is one ``torch.library`` custom op each way, ``mmdtn::dtn_triton_forward`` and
 ``mmdtn::dtn_triton_backward``, which ``torch.compile`` and ``torch.export`` record as single
@@ -35,11 +36,11 @@ from .base import Backend
 try:
     from .triton_band import BandFactor
     from . import triton_kernels as kernels
-    from .triton_fused import fused_output
+    from .triton_fused import fused_output, fuses
     from .triton_parameters import KernelParameters
     _MISSING = None
 except ImportError as error:  # pragma: no cover - PyTorch builds without triton
-    kernels, BandFactor, fused_output = None, None, None
+    kernels, BandFactor, fused_output, fuses = None, None, None, None
     KernelParameters = FormedParameters  # the op is defined, never run: supports() says why
     _MISSING = f'triton cannot be imported ({error})'
 
@@ -91,7 +92,7 @@ class TritonBackend(Backend):
         return TokenStatistics(None, None, centre, None, None, T)
 
     def fuses_forward_products(self, x, grid, p_x):
-        return not grid.pooled  # backward keeps the staged passes
+        return fuses(grid.pool, grid.d)  # backward keeps the staged passes
 
     def fused_forward(self, x, p_y, p_x, ratios, weight, bias, eps, grid, convention):
         centre = kernels.sample_centre(x)

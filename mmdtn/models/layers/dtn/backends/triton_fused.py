@@ -15,7 +15,8 @@ over the nonzero band of both factors (:func:`.triton_band._band`, found from P 
 BAND token columns at a time. P^h = P_y^h (x) P_x^h, so v and m are m = P_y u of the staged passes
 in another order: equal to float32 rounding. The rows of the band are read again by the programs
 of the neighbouring token rows: from the GPU's cache (``kernel_loads.py`` counts those reads).
-Backward stays staged (:mod:`.triton_kernels`, :mod:`.triton_band`).
+Backward stays staged (:mod:`.triton_kernels`, :mod:`.triton_band`), and so does the forward pass
+of heads wider than MAX_HEAD_CHANNELS channels (:func:`fuses`).
 """
 import functools
 
@@ -26,11 +27,23 @@ import triton.language as tl
 from .triton_band import SPAN_BLOCK, _band, _weights
 from .triton_launch import launch
 
-__all__ = ['fused_output', 'specializations']
+__all__ = ['fuses', 'fused_output', 'specializations', 'MAX_HEAD_CHANNELS']
 
 #: Token columns of the band per step: the inner dimension of the products with P_x (tl.dot's
 #: least, 16).
 BAND = 16
+
+
+#: The widest heads the fused forward takes: up to 128 channels it compiles without spills on
+#: sm_80 and sm_90; for heads of 256 channels sm_80 spills 240 bytes, and wider heads run the
+#: staged forward.
+MAX_HEAD_CHANNELS = 128
+
+
+def fuses(pool, d):
+    """Whether the forward pass of a layer with pooling ``pool`` and heads of d channels runs
+    fused here (no pooling, heads of at most MAX_HEAD_CHANNELS channels)."""
+    return pool == 1 and d <= MAX_HEAD_CHANNELS
 
 
 def _tiles(d_block):
