@@ -86,11 +86,16 @@ def test_equals_dense_reference_float32(triton_dtn, hw, pool, heads, C, B, refer
     assert max(relative_errors(norm, x, hw)) < 1e-5
 
 
-@pytest.mark.parametrize('C,heads,hw,fused', [(8, 2, (3, 41), True), (136, 1, (3, 5), False)])
-def test_forward_without_pooling_fused_or_staged(triton_dtn, C, heads, hw, fused):
+@pytest.mark.parametrize('C,heads,hw,enabled,fused', [
+    (8, 2, (3, 41), True, True), (8, 2, (3, 41), False, False), (136, 1, (3, 5), True, False)])
+def test_forward_without_pooling_fused_or_staged(triton_dtn, monkeypatch, C, heads, hw, enabled,
+                                                 fused):
     """Without pooling the forward pass is one fused kernel for heads of up to 128 channels (here
-    on token rows of several programs), and the staged passes for wider heads (136 channels):
-    both equal the dense reference, forward and every gradient, to float32 rounding."""
+    on token rows of several programs), and the staged passes for wider heads (136 channels) or
+    with MMDTN_TRITON_FUSED_FORWARD=0: each equals the dense reference, forward and every
+    gradient, to float32 rounding."""
+    from mmdtn.models.layers.dtn.backends import triton_fused
+    monkeypatch.setattr(triton_fused, 'ENABLED', enabled)
     norm = randomize(DynamicTokenNorm(C, heads, eps=1e-5)).float().to(DEVICE)
     x = tokens(2, *hw, C, torch.float32).to(DEVICE)
     with recording_launches() as launches:

@@ -19,6 +19,7 @@ Backward stays staged (:mod:`.triton_kernels`, :mod:`.triton_band`), and so does
 of heads wider than MAX_HEAD_CHANNELS channels (:func:`fuses`).
 """
 import functools
+import os
 
 import torch
 import triton
@@ -34,6 +35,9 @@ __all__ = ['fuses', 'fused_output', 'specializations', 'MAX_HEAD_CHANNELS']
 BAND = 16
 
 
+#: Whether the fused forward runs at all: ``MMDTN_TRITON_FUSED_FORWARD=0`` runs the staged forward
+#: instead (read at import), to compare the two on a GPU.
+ENABLED = os.environ.get('MMDTN_TRITON_FUSED_FORWARD', '1') != '0'
 #: The widest heads the fused forward takes: up to 128 channels it compiles without spills on
 #: sm_80 and sm_90; for heads of 256 channels sm_80 spills 240 bytes, and wider heads run the
 #: staged forward.
@@ -42,8 +46,8 @@ MAX_HEAD_CHANNELS = 128
 
 def fuses(pool, d):
     """Whether the forward pass of a layer with pooling ``pool`` and heads of d channels runs
-    fused here (no pooling, heads of at most MAX_HEAD_CHANNELS channels)."""
-    return pool == 1 and d <= MAX_HEAD_CHANNELS
+    fused here (no pooling, heads of at most MAX_HEAD_CHANNELS channels; unless not ENABLED)."""
+    return ENABLED and pool == 1 and d <= MAX_HEAD_CHANNELS
 
 
 def _tiles(d_block):
