@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .triton_band import SPAN_BLOCK, _band, _weights
+from .triton_kernels import _channel_row, _ratio_rows, _standardised
 from .triton_launch import launch
 
 __all__ = ['fuses', 'fused_output', 'specializations', 'MAX_HEAD_CHANNELS']
@@ -39,7 +40,7 @@ BAND = 16
 #: instead (read at import), to compare the two on a GPU.
 ENABLED = os.environ.get('MMDTN_TRITON_FUSED_FORWARD', '1') != '0'
 #: The widest heads the fused forward takes: up to 128 channels it compiles without spills on
-#: sm_80 and sm_90; for heads of 256 channels sm_80 spills 240 bytes, and wider heads run the
+#: sm_80 and sm_90; for heads of 256 channels sm_80 spills 256-304 bytes, and wider heads run the
 #: staged forward.
 MAX_HEAD_CHANNELS = 128
 
@@ -53,7 +54,7 @@ def fuses(pool, d):
 def _tiles(d_block):
     """Tokens of a token row per program (the rows of P_x in one tl.dot, at least 16) and warps,
     for heads of d_block channels (padded): without spills on sm_80 and sm_90 in every dtype, at
-    96-128 registers a thread for 32 channels and 160-184 for 64 and 128 (with 32 tokens and 8
+    96-128 registers a thread for 32 channels and 128-228 for 64 and 128 (with 32 tokens and 8
     warps, 32 channels spilled 40 bytes on sm_90 in float32). Not yet timed on a GPU."""
     return (16, 4) if d_block <= 32 else (32, 8)
 
@@ -98,7 +99,7 @@ def _fused_output_kernel(x_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, weight
     for head in range(heads):
         channel = head * d + c
         real = c < d
-        centre = tl.load(centre_ptr + b * C + channel, mask=real, other=0.0)[None, :]
+        centre = _channel_row(centre_ptr + b * C + head * d, d, D_BLOCK)
         p_y = p_y_ptr + head * H * H  # factors: far below 2^31 entries
         p_x = p_x_ptr + head * W * W
         lo_y, hi_y = _band(p_y, i + tl.arange(0, 1), H, False, 1, SPAN_BLOCK)
@@ -122,16 +123,13 @@ def _fused_output_kernel(x_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, weight
             second += tl.dot(weights_x, v_second, input_precision='ieee')
 
         # Eq. 5 inside Eq. 4
-        lam_m = tl.load(ratios_ptr + channel, mask=real, other=0.0)[None, :]
-        kap_m = tl.load(ratios_ptr + C + channel, mask=real, other=0.0)[None, :]
-        lam_v = tl.load(ratios_ptr + 2 * C + channel, mask=real, other=0.0)[None, :]
-        kap_v = tl.load(ratios_ptr + 3 * C + channel, mask=real, other=0.0)[None, :]
-        gamma = tl.load(weight_ptr + channel, mask=real, other=0.0)[None, :]
-        beta = tl.load(bias_ptr + channel, mask=real, other=0.0)[None, :]
+        lam_m, kap_m, lam_v, kap_v = _ratio_rows(ratios_ptr + head * d, C, d, D_BLOCK)
+        gamma = _channel_row(weight_ptr + head * d, d, D_BLOCK)
+        beta = _channel_row(bias_ptr + head * d, d, D_BLOCK)
         var_it = tl.maximum(second - first * first, 0.0)
         x, mask, offsets = _head_tokens(x_image, i, w, head, W, C, d, D_BLOCK)
-        rstd = tl.rsqrt(lam_v * var_ln + kap_v * var_it + eps)
-        xhat = (x - lam_m * mean_ln - kap_m * (first + centre)) * rstd
+        _, xhat = _standardised(x, mean_ln, var_ln, first + centre, var_it, lam_m, kap_m, lam_v,
+                                kap_v, eps)
         tl.store(y_image + offsets, (xhat * gamma + beta).to(y_ptr.dtype.element_ty), mask=mask)
 
 

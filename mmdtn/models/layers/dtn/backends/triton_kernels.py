@@ -45,7 +45,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_fused as fused
 from .triton_launch import launch
 
 __all__ = ['sample_centre', 'moments', 'output', 'token_gradients', 'input_gradient',
@@ -214,11 +213,12 @@ def _program_tile(H, W, POOL: tl.constexpr, CELLS: tl.constexpr):
 
 
 @triton.jit
-def _ratio_rows(ratios_ptr, C, C_BLOCK: tl.constexpr):
-    """lambda_mean, 1 - lambda_mean, lambda_var, 1 - lambda_var, each [1, C_BLOCK]."""
-    return (_channel_row(ratios_ptr, C, C_BLOCK), _channel_row(ratios_ptr + C, C, C_BLOCK),
-            _channel_row(ratios_ptr + 2 * C, C, C_BLOCK),
-            _channel_row(ratios_ptr + 3 * C, C, C_BLOCK))
+def _ratio_rows(ratios_ptr, C, n, BLOCK: tl.constexpr):
+    """lambda_mean, 1 - lambda_mean, lambda_var, 1 - lambda_var of the n channels from
+    ``ratios_ptr`` in the ratios (4, C), each [1, BLOCK]."""
+    return (_channel_row(ratios_ptr, n, BLOCK), _channel_row(ratios_ptr + C, n, BLOCK),
+            _channel_row(ratios_ptr + 2 * C, n, BLOCK),
+            _channel_row(ratios_ptr + 3 * C, n, BLOCK))
 
 
 @triton.jit
@@ -241,9 +241,17 @@ def _normalised(x, mask, C, n_var, mean_it, var_it, lam_m, kap_m, lam_v, kap_v, 
     mean_ln = tl.sum(x, axis=1) / C
     diff = tl.where(mask, x - mean_ln[:, None], 0.0)
     var_ln = tl.sum(diff * diff, axis=1) / n_var
-    rstd = tl.rsqrt(lam_v * var_ln[:, None] + kap_v * var_it + eps)
-    xhat = (x - lam_m * mean_ln[:, None] - kap_m * mean_it) * rstd
+    rstd, xhat = _standardised(x, mean_ln[:, None], var_ln[:, None], mean_it, var_it, lam_m,
+                               kap_m, lam_v, kap_v, eps)
     return mean_ln, var_ln, rstd, xhat
+
+
+@triton.jit
+def _standardised(x, mean_ln, var_ln, mean_it, var_it, lam_m, kap_m, lam_v, kap_v, eps):
+    """Eq. 5 inside Eq. 4 without the affine: rstd = 1 / sqrt(sigma2 + eps) and xhat = (x - mu)
+    rstd, from Eq. 2's mean_ln, var_ln and the inter-token mean_it, var_it (broadcast)."""
+    rstd = tl.rsqrt(lam_v * var_ln + kap_v * var_it + eps)
+    return rstd, (x - lam_m * mean_ln - kap_m * mean_it) * rstd
 
 
 # ---------------------------------------------------------------------------- moments
@@ -314,7 +322,7 @@ def _output_kernel(x_ptr, m_first_ptr, m_second_ptr, centre_ptr, ratios_ptr, wei
     first_cells, var_it_cells, first, var_it = _inter_token(
         m_first_ptr, m_second_ptr, offsets, cell_mask, CELLS, S_BLOCK, C_BLOCK)
     mean_it = first + _channel_row(centre_ptr + b * C, C, C_BLOCK)
-    lam_m, kap_m, lam_v, kap_v = _ratio_rows(ratios_ptr, C, C_BLOCK)
+    lam_m, kap_m, lam_v, kap_v = _ratio_rows(ratios_ptr, C, C, C_BLOCK)
     weight, bias = _channel_row(weight_ptr, C, C_BLOCK), _channel_row(bias_ptr, C, C_BLOCK)
     cols = tl.arange(0, C_BLOCK)
     x_image, y_image = _image(x_ptr, b, H * W * C), _image(y_ptr, b, H * W * C)
@@ -361,7 +369,7 @@ def _token_gradients_kernel(x_ptr, g_ptr, m_first_ptr, m_second_ptr, centre_ptr,
     b, ci, first_cell, Wp = _program_tile(H, W, POOL, CELLS * TILES)
     cols = tl.arange(0, C_BLOCK)
     centre = _channel_row(centre_ptr + b * C, C, C_BLOCK)
-    lam_m, kap_m, lam_v, kap_v = _ratio_rows(ratios_ptr, C, C_BLOCK)
+    lam_m, kap_m, lam_v, kap_v = _ratio_rows(ratios_ptr, C, C, C_BLOCK)
     weight = _channel_row(weight_ptr, C, C_BLOCK)
     x_image, g_image = _image(x_ptr, b, H * W * C), _image(g_ptr, b, H * W * C)
     xhat_g = tl.zeros([CELLS * S_BLOCK, C_BLOCK], tl.float32)
@@ -496,7 +504,7 @@ def _input_gradient_kernel(x_ptr, g_ptr, m_first_ptr, m_second_ptr, centre_ptr, 
         m_first_ptr, m_second_ptr, offsets, cell_mask, CELLS, S_BLOCK, C_BLOCK)
     centre = _channel_row(centre_ptr + b * C, C, C_BLOCK)
     mean_it = first + centre
-    lam_m, kap_m, lam_v, kap_v = _ratio_rows(ratios_ptr, C, C_BLOCK)
+    lam_m, kap_m, lam_v, kap_v = _ratio_rows(ratios_ptr, C, C, C_BLOCK)
     weight = _channel_row(weight_ptr, C, C_BLOCK)
     offsets, cell_mask = _cell_tile(b, ci, start, Wp, C, d, t_sb, t_srow, t_scol, t_shead, CELLS,
                                     C_BLOCK)
@@ -556,6 +564,7 @@ def specializations(C, pool, heads, square_of_pooled=False):
     launches over the tokens, forward and backward, as (kernel, constexprs, num_warps): what a GPU
     compiles for it (the tokens' dtype aside). The image size is not part of it. Without pooling
     the forward pass is one fused kernel (:mod:`.triton_fused`) where it takes the heads."""
+    from . import triton_fused as fused  # which imports this module's pieces of Eqs. 4-5
     second = pool == 1 or not square_of_pooled
     if fused.fuses(pool, C // heads):
         forward = fused.specializations(C // heads)
