@@ -135,14 +135,18 @@ class Saved:
 
 @dataclass
 class Gradients:
-    """Gradients of the loss for every differentiable input of the layer's core."""
+    """Gradients of the loss for every differentiable input of the layer's core. A backend that
+    takes the layer's own parameters (:class:`FormedParameters`) may give, instead of the
+    gradients of P_y and P_x (then None), ``coefficients``: shares (programs, heads, 3) of the
+    gradient of a^h, which add up to it (the Triton backend without pooling)."""
 
     x: Tensor
-    p_y: Tensor
-    p_x: Tensor
+    p_y: Optional[Tensor]
+    p_x: Optional[Tensor]
     ratios: Tensor
     weight: Tensor
     bias: Tensor
+    coefficients: Optional[Tensor] = None
 
 
 def dtn_forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
@@ -155,7 +159,7 @@ def dtn_forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps, conventio
 
 
 def _forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
-    if backend.fuses_forward_products(x, grid, p_x):
+    if backend.fuses_products(x, grid, p_x):
         return backend.fused_forward(x, p_y, p_x, ratios, weight, bias, eps, grid, convention)
     stats = backend.statistics(x, grid, convention)
     factor_y, factor_x = backend.factor(p_y), backend.factor(p_x)
@@ -178,9 +182,7 @@ def _backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convent
     C = grid.C
     n_var = convention.ln_divisor(C)
     if backend.fuses_products(x, grid, p_x):
-        dx, grad_p_y, grad_p_x, sums = backend.fused_backward(g, x, saved, p_y, p_x, ratios,
-                                                              weight, eps, n_var, grid)
-        return Gradients(dx, grad_p_y, grad_p_x, *backend.parameter_gradients(sums))
+        return backend.fused_backward(g, x, saved, p_y, p_x, ratios, weight, eps, n_var, grid)
     factor_y, factor_x = backend.factor(p_y), backend.factor(p_x)
     if grid.pooled:
         T, u, m = saved.moments, saved.row_products, saved.products

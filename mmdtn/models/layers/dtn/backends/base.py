@@ -110,15 +110,9 @@ class Backend:
     def fuses_products(self, x, grid, p_x):
         """Whether the positional products are fused with the passes over the tokens (then
         :meth:`fused_forward` and ``fused_backward(g, x, saved, p_y, p_x, ratios, weight, eps,
-        n_var, grid)``, returning the gradients of x, p_y, p_x and the sums (6, C) for the
-        parameters, replace the staged passes)."""
+        n_var, grid)``, returning the :class:`..function.Gradients`, replace the staged
+        passes)."""
         return False
-
-    def fuses_forward_products(self, x, grid, p_x):
-        """Whether the forward pass fuses the positional products with its passes over the tokens
-        (:meth:`fused_forward`), also where backward keeps the staged passes: by default as
-        :meth:`fuses_products`."""
-        return self.fuses_products(x, grid, p_x)
 
     def fused_forward(self, x, p_y, p_x, ratios, weight, bias, eps, grid, convention):
         """y and the :class:`..function.Saved` of the forward pass with the products fused: the

@@ -15,7 +15,7 @@ record as single operations.
 """
 import torch
 
-from ..function import TokenStatistics, define_custom_ops
+from ..function import Gradients, TokenStatistics, define_custom_ops
 from .base import Backend, DenseFactor, RecordedKernels, per_head
 
 try:  # built by setup.py
@@ -156,4 +156,4 @@ class CpuBackend(Backend):
             p_y=p_y.detach().contiguous(), p_x=p_x.detach().contiguous(),
             ratios=ratios.contiguous(), weight=weight.contiguous(), eps=eps, n_var=float(n_var),
             H=grid.H, W=grid.W, num_heads=grid.heads)
-        return dx, grad_p_y, grad_p_x, sums
+        return Gradients(dx, grad_p_y, grad_p_x, *self.parameter_gradients(sums))

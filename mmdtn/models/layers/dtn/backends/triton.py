@@ -29,18 +29,18 @@ import os
 
 import torch
 
-from ..function import (FormedParameters, Saved, TokenMoments, TokenStatistics,
+from ..function import (FormedParameters, Gradients, Saved, TokenMoments, TokenStatistics,
                         define_custom_ops)
 from .base import Backend
 
 try:
     from .triton_band import BandFactor
     from . import triton_kernels as kernels
-    from .triton_fused import fused_output, fuses
+    from . import triton_fused as fused
     from .triton_parameters import KernelParameters
     _MISSING = None
 except ImportError as error:  # pragma: no cover - PyTorch builds without triton
-    kernels, BandFactor, fused_output, fuses = None, None, None, None
+    kernels, BandFactor, fused = None, None, None
     KernelParameters = FormedParameters  # the op is defined, never run: supports() says why
     _MISSING = f'triton cannot be imported ({error})'
 
@@ -91,14 +91,19 @@ class TritonBackend(Backend):
              else self.token_moments(x, centre, grid))
         return TokenStatistics(None, None, centre, None, None, T)
 
-    def fuses_forward_products(self, x, grid, p_x):
-        return fuses(grid.pool, grid.d)  # backward keeps the staged passes
+    def fuses_products(self, x, grid, p_x):
+        return fused.fuses(grid.pool, grid.d)
 
     def fused_forward(self, x, p_y, p_x, ratios, weight, bias, eps, grid, convention):
         centre = kernels.sample_centre(x)
-        y = fused_output(x, centre, p_y, p_x, ratios, weight, bias, eps,
-                         convention.ln_divisor(grid.C), grid)
+        y = fused.fused_output(x, centre, p_y, p_x, ratios, weight, bias, eps,
+                               convention.ln_divisor(grid.C), grid)
         return y, Saved(None, None, centre)
+
+    def fused_backward(self, g, x, saved, p_y, p_x, ratios, weight, eps, n_var, grid):
+        dx, sums, shares = fused.fused_backward(g, x, saved.centre, p_y, p_x, ratios, weight, eps,
+                                                n_var, grid)
+        return Gradients(dx, None, None, *self.parameter_gradients(sums), coefficients=shares)
 
     @staticmethod
     def _products(m, grid):

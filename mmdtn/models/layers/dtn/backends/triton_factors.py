@@ -14,7 +14,10 @@ kernel: the logits are recomputed for the row maximum, the row sum and the store
 read (:func:`_factor_rows`). Backward, a program per head adds up the gradient of its coefficients
 over the rows of both factors in a fixed order (deterministic, no atomics): with
 dl = P (dP - sum_j P dP) the gradient of the logits, da1 = sum d^2 dl over both factors,
-da2 = sum d dl over P_x, da3 over P_y (:func:`_coefficient_gradient`).
+da2 = sum d dl over P_x, da3 over P_y (:func:`_coefficient_gradient`). Without pooling the fused
+backward pass (:mod:`.triton_fused`) forms no gradients of the factors: its programs contract their
+shares of them with the softmax as they go, and a program per head adds those shares up
+(:func:`_coefficient_shares`).
 """
 import torch
 import triton
@@ -113,6 +116,21 @@ def _coefficient_gradient(p_y_ptr, p_x_ptr, grad_y_ptr, grad_x_ptr, grad_coef_pt
     tl.store(grad_coef_ptr + 3 * h, tl.sum(d_square, axis=0))
     tl.store(grad_coef_ptr + 3 * h + 1, tl.sum(d_lin_x, axis=0))
     tl.store(grad_coef_ptr + 3 * h + 2, tl.sum(d_lin_y, axis=0))
+
+
+@triton.jit
+def _coefficient_shares(shares_ptr, grad_coef_ptr, h, programs, BLOCK: tl.constexpr):
+    """The gradient (3,) of a^h from the programs' shares (programs, heads, 3) of it, added up
+    over the programs in a fixed order, BLOCK at a time."""
+    heads = tl.num_programs(0)
+    k = tl.arange(0, 4)
+    total = tl.zeros([BLOCK, 4], tl.float32)
+    for start in range(0, programs, BLOCK):
+        p = start + tl.arange(0, BLOCK)
+        at = ((p * heads + h) * 3)[:, None] + k[None, :]
+        total += tl.load(shares_ptr + at, mask=(p < programs)[:, None] & (k < 3)[None, :],
+                         other=0.0)
+    tl.store(grad_coef_ptr + 3 * h + k, tl.sum(total, axis=0), mask=k < 3)
 
 
 def row_blocks(rows, cols):

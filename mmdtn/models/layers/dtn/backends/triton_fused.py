@@ -1,22 +1,38 @@
-"""The forward pass of DynamicTokenNorm without pooling in one Triton kernel: Eq. 2, the positional
-products of Eq. 5 and Eq. 4, with x read once and y written once (Shao et al., ICLR 2022).
+"""DynamicTokenNorm without pooling in three Triton kernels, the positional products of Eq. 5 formed
+on chip: the forward pass (Eq. 2, the products and Eq. 4; x read once, y written once) and the
+backward pass in two, with nothing of the products stored but dL/dm (Shao et al., ICLR 2022).
 
-Without pooling the staged forward (:mod:`..function`) writes and reads u = P_x T and m = P_y u,
-four float32 tensors of two moments per channel and token: with 16-bit tokens 9.5x LayerNorm's
-bytes, against 1x here (``benchmark_norm.py --tables traffic``). A program holds TOKENS tokens of
-one token row i of one image (:func:`_tiles`), all their channels, and for every head h forms
+Without pooling the staged passes (:mod:`..function`) write and read u = P_x T and m = P_y u
+forward and u, m, dL/du and dL/dT again backward, float32 tensors of two moments per channel and
+token (with 16-bit tokens four times x's bytes each): 9.5x LayerNorm's bytes forward and 22.6x
+backward (``benchmark_norm.py --tables traffic``). Here a program holds TOKENS tokens w of one token
+row i of one image (:func:`_tiles`) and forms, head by head, over the nonzero band of both factors
+(:func:`.triton_band._band`, found from P on the device), BAND token columns s at a time
+(:func:`_products`):
 
-    T_r   = (x - centre, (x - centre)^2) in the rows r of the band of P_y^h's row i
-    v     = sum_r P_y^h[i, r] T_r                        (Eq. 5, P_y's row i; per token column)
-    m     = P_x^h v                                      (Eq. 5, P_x's rows of the tokens; tl.dot)
-    y     = gamma (x - mu) / sqrt(sigma2 + eps) + beta  (Eqs. 4-5, var_it = m_1 - m_0^2)
+    v_s   = sum_r P_y^h[i, r] S_rs                     (P_y's row i; per token column s)
+    m_w   = sum_s P_x^h[w, s] v_s                      (P_x's rows of the tokens; tl.dot)
 
-over the nonzero band of both factors (:func:`.triton_band._band`, found from P on the device),
-BAND token columns at a time. P^h = P_y^h (x) P_x^h, so v and m are m = P_y u of the staged passes
-in another order: equal to float32 rounding. The rows of the band are read again by the programs
-of the neighbouring token rows: from the GPU's cache (``kernel_loads.py`` counts those reads).
-Backward stays staged (:mod:`.triton_kernels`, :mod:`.triton_band`), and so does the forward pass
-of heads wider than MAX_HEAD_CHANNELS channels (:func:`fuses`).
+with S = T = (x - centre, (x - centre)^2) of the tokens; P^h = P_y^h (x) P_x^h, so m is the staged
+m = P_y u in another order, equal to float32 rounding. The three kernels:
+
+    output           y = gamma (x - mu) / sqrt(sigma2 + eps) + beta (Eqs. 4-5, var_it = m_1 - m_0^2)
+    token gradients  with D1 = g gamma rstd and D2 = D1 xhat rstd: dL/dm (float32, stored), the
+                     per-token gradient of Eq. 2, the sums for the weight, the bias and the ratios,
+                     and the gradient of a^h (below); g and x read, dL/dm written
+    input gradient   dL/dT = P^T dL/dm by the same products with the factors transposed (S =
+                     dL/dm); dx = D1 + x beta + alpha + dL/dT_0 + 2 (x - centre) dL/dT_1 (m formed
+                     again for rstd); g, x and dL/dm read, dx written; a program per head
+
+The gradients of P_y and P_x are never formed: P = softmax(a . R) by rows (Eq. 6), so the gradient
+of a is linear in them, da = sum_ij dP_ij P_ij (R_ij - Rbar_i) with Rbar_i = sum_j P_ij R_ij, and
+each program contracts its share of dP_y (row i: sum_s e_s T_rs with e = P_x^T dL/dm of its tokens)
+and of dP_x (rows w: sum_i dL/dm_iw v_is) with it at once: three numbers per head and program, added
+up in a fixed order afterwards (:mod:`.triton_parameters`; no float atomics).
+
+The rows of the band are read again by the programs of neighbouring token rows: from the GPU's
+cache (``kernel_loads.py`` counts those reads). Heads wider than MAX_HEAD_CHANNELS channels run the
+staged passes (:func:`fuses`).
 """
 import functools
 import os
@@ -29,46 +45,127 @@ from .triton_band import SPAN_BLOCK, _band, _weights
 from .triton_kernels import _channel_row, _ratio_rows, _standardised
 from .triton_launch import launch
 
-__all__ = ['fuses', 'fused_output', 'specializations', 'MAX_HEAD_CHANNELS']
+__all__ = ['fuses', 'fused_output', 'fused_backward', 'specializations', 'MAX_HEAD_CHANNELS']
 
 #: Token columns of the band per step: the inner dimension of the products with P_x (tl.dot's
 #: least, 16).
 BAND = 16
 
 
-#: Whether the fused forward runs at all: ``MMDTN_TRITON_FUSED_FORWARD=0`` runs the staged forward
-#: instead (read at import), to compare the two on a GPU.
-ENABLED = os.environ.get('MMDTN_TRITON_FUSED_FORWARD', '1') != '0'
-#: The widest heads the fused forward takes: up to 128 channels it compiles without spills on
-#: sm_80 and sm_90; for heads of 256 channels sm_80 spills 256-304 bytes, and wider heads run the
-#: staged forward.
+#: Whether the fused passes run at all: ``MMDTN_TRITON_FUSED=0`` runs the staged passes instead
+#: (read at import), to compare the two on a GPU.
+ENABLED = os.environ.get('MMDTN_TRITON_FUSED', '1') != '0'
+#: The widest heads the fused passes take: up to 128 channels they compile without spills on
+#: sm_80 and sm_90 (:func:`_tiles`); wider heads run the staged passes.
 MAX_HEAD_CHANNELS = 128
 
 
 def fuses(pool, d):
-    """Whether the forward pass of a layer with pooling ``pool`` and heads of d channels runs
-    fused here (no pooling, heads of at most MAX_HEAD_CHANNELS channels; unless not ENABLED)."""
+    """Whether a layer with pooling ``pool`` and heads of d channels runs fused here (no pooling,
+    heads of at most MAX_HEAD_CHANNELS channels; unless not ENABLED)."""
     return ENABLED and pool == 1 and d <= MAX_HEAD_CHANNELS
 
 
-def _tiles(d_block):
+def _tiles(d_block, backward=False):
     """Tokens of a token row per program (the rows of P_x in one tl.dot, at least 16) and warps,
-    for heads of d_block channels (padded): without spills on sm_80 and sm_90 in every dtype, at
-    96-128 registers a thread for 32 channels and 128-228 for 64 and 128 (with 32 tokens and 8
-    warps, 32 channels spilled 40 bytes on sm_90 in float32). Not yet timed on a GPU."""
+    for heads of d_block channels (padded), compiled without spills on sm_80 and sm_90 in every
+    dtype (``compile_kernels.py``): forward 16 tokens and 4 warps for 32 channels (with 32 and 8,
+    sm_90 float32 spilled 40 bytes), 32 tokens and 8 warps for 64 and 128; the token-gradients
+    kernel, which holds more tensors, 16 tokens. Not yet timed on a GPU."""
+    if backward:
+        return 16, 4 if d_block <= 32 else 8
     return (16, 4) if d_block <= 32 else (32, 8)
 
 
+# ---------------------------------------------------------------------------- shared pieces
 @triton.jit
-def _head_tokens(x_image, i, w, head, W, C, d, D_BLOCK: tl.constexpr):
-    """Tokens w (TOKENS,) of token row i, the d channels of ``head``: float32 [TOKENS, D_BLOCK]
-    (zeros outside), the mask and the offsets within the image."""
+def _head_tokens(image, i, w, head, W, C, d, D_BLOCK: tl.constexpr):
+    """Tokens w (TOKENS,) of token row i, the d channels of ``head``, from ``image`` (a tensor of
+    tokens): float32 [TOKENS, D_BLOCK] (zeros outside), the mask and the offsets within the
+    image."""
     c = tl.arange(0, D_BLOCK)
     mask = (w < W)[:, None] & (c < d)[None, :]
     offsets = (i * W + w)[:, None] * C + (head * d + c)[None, :]
-    return tl.load(x_image + offsets, mask=mask, other=0.0).to(tl.float32), mask, offsets
+    return tl.load(image + offsets, mask=mask, other=0.0).to(tl.float32), mask, offsets
 
 
+@triton.jit
+def _ln_statistics(x_image, i, w, W, C, d, heads, n_var, D_BLOCK: tl.constexpr):
+    """Eq. 2 of tokens w of token row i over all C channels, a head's channels at a time: the mean
+    as a sum / C, then the variance about it / n_var (the second reading of the tokens comes from
+    the cache); each [TOKENS, 1]."""
+    total = tl.zeros([w.shape[0]], tl.float32)
+    for head in range(heads):
+        x, _, _ = _head_tokens(x_image, i, w, head, W, C, d, D_BLOCK)
+        total += tl.sum(x, axis=1)
+    mean_ln = total / C
+    squares = tl.zeros_like(total)
+    for head in range(heads):
+        x, mask, _ = _head_tokens(x_image, i, w, head, W, C, d, D_BLOCK)
+        diff = tl.where(mask, x - mean_ln[:, None], 0.0)
+        squares += tl.sum(diff * diff, axis=1)
+    return mean_ln[:, None], (squares / n_var)[:, None]
+
+
+@triton.jit
+def _source(src_image, plane, offsets, mask, centre, FROM_TOKENS: tl.constexpr):
+    """The two moments of S at ``offsets``: T = (x - centre, (x - centre)^2) from the tokens, or
+    two float32 planes ``plane`` apart; zeros outside ``mask``."""
+    if FROM_TOKENS:
+        t = tl.load(src_image + offsets, mask=mask, other=0.0).to(tl.float32)
+        t = tl.where(mask, t - centre, 0.0)
+        return t, t * t
+    else:
+        return (tl.load(src_image + offsets, mask=mask, other=0.0),
+                tl.load(src_image + plane + offsets, mask=mask, other=0.0))
+
+
+@triton.jit
+def _products(src_image, plane, centre, p_y, p_x, i, w, H, W, C, channel, real,
+              FROM_TOKENS: tl.constexpr, TRANSPOSE: tl.constexpr, BAND: tl.constexpr,
+              D_BLOCK: tl.constexpr, SPAN_BLOCK: tl.constexpr):
+    """(P_y^h (x) P_x^h) S at tokens w of token row i, or with TRANSPOSE the transposed factors',
+    for the channels ``channel`` of one head (``real``: the head's own): the two moments, float32
+    [TOKENS, D_BLOCK]. See the module docstring."""
+    lo_y, hi_y = _band(p_y, i + tl.arange(0, 1), H, TRANSPOSE, 1, SPAN_BLOCK)
+    lo_x, hi_x = _band(p_x, w, W, TRANSPOSE, w.shape[0], SPAN_BLOCK)
+    first = tl.zeros([w.shape[0], D_BLOCK], tl.float32)
+    second = tl.zeros([w.shape[0], D_BLOCK], tl.float32)
+    for start in range(lo_x, hi_x, BAND):
+        cols = start + tl.arange(0, BAND)
+        mask = (cols < hi_x)[:, None] & real[None, :]
+        v_first = tl.zeros([BAND, D_BLOCK], tl.float32)
+        v_second = tl.zeros([BAND, D_BLOCK], tl.float32)
+        for r in range(lo_y, hi_y):  # v = sum_r P_y[i, r] S_r
+            if TRANSPOSE:
+                weight_y = tl.load(p_y + r * H + i)
+            else:
+                weight_y = tl.load(p_y + i * H + r)
+            s_first, s_second = _source(src_image, plane,
+                                        (r * W + cols)[:, None] * C + channel[None, :], mask,
+                                        centre, FROM_TOKENS)
+            v_first += weight_y * s_first
+            v_second += weight_y * s_second
+        weights_x = _weights(p_x, w, cols, W, hi_x, TRANSPOSE)  # m = P_x v
+        first += tl.dot(weights_x, v_first, input_precision='ieee')
+        second += tl.dot(weights_x, v_second, input_precision='ieee')
+    return first, second
+
+
+@triton.jit
+def _head(ptr, b, head, C, d, D_BLOCK: tl.constexpr):
+    """The channels of ``head``, whether they are the head's own, and its centre [1, D_BLOCK]."""
+    c = tl.arange(0, D_BLOCK)
+    return head * d + c, c < d, _channel_row(ptr + b * C + head * d, d, D_BLOCK)
+
+
+@triton.jit
+def _factors(p_y_ptr, p_x_ptr, head, H, W):
+    """Head ``head``'s P_y^h (H, H) and P_x^h (W, W) (factors: far below 2^31 entries)."""
+    return p_y_ptr + head * H * H, p_x_ptr + head * W * W
+
+
+# ---------------------------------------------------------------------------- forward
 @triton.jit(do_not_specialize=['H', 'W', 'C', 'd', 'heads'])
 def _fused_output_kernel(x_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, weight_ptr, bias_ptr,
                          y_ptr, H, W, C, d, heads, eps, n_var, TOKENS: tl.constexpr,
@@ -77,51 +174,14 @@ def _fused_output_kernel(x_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, weight
     row, block = tl.program_id(0), tl.program_id(1)
     b, i = row // H, row % H
     w = block * TOKENS + tl.arange(0, TOKENS)
-    c = tl.arange(0, D_BLOCK)
     image = b.to(tl.int64) * H * W * C
     x_image, y_image = x_ptr + image, y_ptr + image
-
-    # Eq. 2 over all C channels, a head's channels at a time: the mean as a sum / C, then the
-    # variance about it / n_var (the second reading of the tokens comes from the cache)
-    total = tl.zeros([TOKENS], tl.float32)
+    mean_ln, var_ln = _ln_statistics(x_image, i, w, W, C, d, heads, n_var, D_BLOCK)
     for head in range(heads):
-        x, _, _ = _head_tokens(x_image, i, w, head, W, C, d, D_BLOCK)
-        total += tl.sum(x, axis=1)
-    mean_ln = total / C
-    squares = tl.zeros([TOKENS], tl.float32)
-    for head in range(heads):
-        x, mask, _ = _head_tokens(x_image, i, w, head, W, C, d, D_BLOCK)
-        diff = tl.where(mask, x - mean_ln[:, None], 0.0)
-        squares += tl.sum(diff * diff, axis=1)
-    var_ln = (squares / n_var)[:, None]
-    mean_ln = mean_ln[:, None]
-
-    for head in range(heads):
-        channel = head * d + c
-        real = c < d
-        centre = _channel_row(centre_ptr + b * C + head * d, d, D_BLOCK)
-        p_y = p_y_ptr + head * H * H  # factors: far below 2^31 entries
-        p_x = p_x_ptr + head * W * W
-        lo_y, hi_y = _band(p_y, i + tl.arange(0, 1), H, False, 1, SPAN_BLOCK)
-        lo_x, hi_x = _band(p_x, w, W, False, TOKENS, SPAN_BLOCK)
-        first = tl.zeros([TOKENS, D_BLOCK], tl.float32)  # P T_0 = mu_it - centre
-        second = tl.zeros([TOKENS, D_BLOCK], tl.float32)  # P T_1, raw
-        for start in range(lo_x, hi_x, BAND):
-            cols = start + tl.arange(0, BAND)
-            mask = (cols < hi_x)[:, None] & real[None, :]
-            v_first = tl.zeros([BAND, D_BLOCK], tl.float32)
-            v_second = tl.zeros([BAND, D_BLOCK], tl.float32)
-            for r in range(lo_y, hi_y):  # v = sum_r P_y[i, r] T_r
-                weight_y = tl.load(p_y + i * H + r)
-                t = tl.load(x_image + (r * W + cols)[:, None] * C + channel[None, :], mask=mask,
-                            other=0.0).to(tl.float32)
-                t = tl.where(mask, t - centre, 0.0)
-                v_first += weight_y * t
-                v_second += weight_y * (t * t)
-            weights_x = _weights(p_x, w, cols, W, hi_x, False)  # m = P_x v
-            first += tl.dot(weights_x, v_first, input_precision='ieee')
-            second += tl.dot(weights_x, v_second, input_precision='ieee')
-
+        channel, real, centre = _head(centre_ptr, b, head, C, d, D_BLOCK)
+        p_y, p_x = _factors(p_y_ptr, p_x_ptr, head, H, W)
+        first, second = _products(x_image, 0, centre, p_y, p_x, i, w, H, W, C, channel, real,
+                                  True, False, BAND, D_BLOCK, SPAN_BLOCK)
         # Eq. 5 inside Eq. 4
         lam_m, kap_m, lam_v, kap_v = _ratio_rows(ratios_ptr + head * d, C, d, D_BLOCK)
         gamma = _channel_row(weight_ptr + head * d, d, D_BLOCK)
@@ -139,21 +199,223 @@ def fused_output(x, centre, p_y, p_x, ratios, weight, bias, eps, n_var, grid):
     y = torch.empty_like(x)
     operands = [x, centre.contiguous(), p_y.contiguous(), p_x.contiguous(), ratios.contiguous(),
                 weight.contiguous(), bias.contiguous()]
-    spec = _spec(grid.d)
+    spec = _output_spec(grid.d)
     launch('triton.fused_output', spec, (grid.B * grid.H, -(-grid.W // spec[1]['TOKENS'])),
            operands, [y], *operands, y, grid.H, grid.W, grid.C, grid.d, grid.heads, float(eps),
            float(n_var))
     return y
 
 
+# ---------------------------------------------------------------------------- backward
+@triton.jit
+def _coefficient_sums(x_image, dm_first, dm_second, centre, p_y, p_x, i, w, H, W, C, channel,
+                      real, BAND: tl.constexpr, D_BLOCK: tl.constexpr, SPAN_BLOCK: tl.constexpr):
+    """This program's share (da1, da2, da3) of the gradient of a^h from its tokens' dL/dm
+    [TOKENS, D_BLOCK] each moment (zeros outside), through the products of :func:`_products` and
+    the softmax of Eq. 6 (module docstring), R = (d^2, d) with d = source - output on each
+    axis."""
+    lo_y, hi_y = _band(p_y, i + tl.arange(0, 1), H, False, 1, SPAN_BLOCK)
+    lo_x, hi_x = _band(p_x, w, W, False, w.shape[0], SPAN_BLOCK)
+    # P_y's row i: Rbar = sum_r P R and sum_r P dP (1, R); P_x's rows w: the same, per row
+    zero = tl.sum(tl.zeros([w.shape[0]], tl.float32), axis=0)
+    mean_sq_y, mean_lin_y, dp_y, dp_sq_y, dp_lin_y = zero, zero, zero, zero, zero
+    mean_sq_x = tl.zeros([w.shape[0]], tl.float32)
+    mean_lin_x = tl.zeros([w.shape[0]], tl.float32)
+    dp_x = tl.zeros([w.shape[0]], tl.float32)
+    dp_sq_x = tl.zeros([w.shape[0]], tl.float32)
+    dp_lin_x = tl.zeros([w.shape[0]], tl.float32)
+    for r in range(lo_y, hi_y):
+        weight_y = tl.load(p_y + i * H + r)
+        dy = (r - i).to(tl.float32)
+        mean_sq_y += weight_y * dy * dy
+        mean_lin_y += weight_y * dy
+    for start in range(lo_x, hi_x, BAND):
+        cols = start + tl.arange(0, BAND)
+        mask = (cols < hi_x)[:, None] & real[None, :]
+        weights_x = _weights(p_x, w, cols, W, hi_x, False)  # P_x[w, s]
+        e_first = tl.dot(tl.trans(weights_x), dm_first, input_precision='ieee')  # P_x^T dm
+        e_second = tl.dot(tl.trans(weights_x), dm_second, input_precision='ieee')
+        v_first = tl.zeros([BAND, D_BLOCK], tl.float32)
+        v_second = tl.zeros([BAND, D_BLOCK], tl.float32)
+        for r in range(lo_y, hi_y):
+            weight_y = tl.load(p_y + i * H + r)
+            t_first, t_second = _source(x_image, 0, (r * W + cols)[:, None] * C + channel[None, :],
+                                        mask, centre, True)
+            v_first += weight_y * t_first
+            v_second += weight_y * t_second
+            # P dP_y[i, r], dP_y[i, r] = sum_s e_s T_rs (this program's tokens' share)
+            dp = weight_y * tl.sum(tl.sum(e_first * t_first + e_second * t_second, axis=1),
+                                   axis=0)
+            dy = (r - i).to(tl.float32)
+            dp_y += dp
+            dp_sq_y += dp * dy * dy
+            dp_lin_y += dp * dy
+        # P dP_x[w, s], dP_x[w, s] = sum_c dm_w v_s
+        outer = (tl.dot(dm_first, tl.trans(v_first), input_precision='ieee')
+                 + tl.dot(dm_second, tl.trans(v_second), input_precision='ieee'))
+        dx = (cols[None, :] - w[:, None]).to(tl.float32)
+        dp = weights_x * outer
+        dp_x += tl.sum(dp, axis=1)
+        dp_sq_x += tl.sum(dp * dx * dx, axis=1)
+        dp_lin_x += tl.sum(dp * dx, axis=1)
+        mean_sq_x += tl.sum(weights_x * dx * dx, axis=1)
+        mean_lin_x += tl.sum(weights_x * dx, axis=1)
+    da1 = tl.sum(dp_sq_x - mean_sq_x * dp_x, axis=0) + dp_sq_y - mean_sq_y * dp_y
+    return da1, tl.sum(dp_lin_x - mean_lin_x * dp_x, axis=0), dp_lin_y - mean_lin_y * dp_y
+
+
+@triton.jit(do_not_specialize=['H', 'W', 'C', 'd', 'heads'])
+def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr,
+                                  weight_ptr, dm_ptr, token_ptr, partial_ptr, coef_ptr, H, W, C,
+                                  d, heads, eps, n_var, TOKENS: tl.constexpr, BAND: tl.constexpr,
+                                  D_BLOCK: tl.constexpr, SPAN_BLOCK: tl.constexpr):
+    """For tokens w of token row i of image b (program (b H + i, block)): dL/dm (two float32
+    planes (2, B, N, C)), per token mean_ln, var_ln and the gradient of Eq. 2 as dx = ... + x
+    beta + alpha (``token_ptr``, (B N, 4)), the program's sums of xhat g, g, mu_ln D1, var_ln D2,
+    mu_it D1, var_it D2 (6, C) and its share of the gradient of a^h (heads, 3)."""
+    row, block = tl.program_id(0), tl.program_id(1)
+    b, i = row // H, row % H
+    w = block * TOKENS + tl.arange(0, TOKENS)
+    image = b.to(tl.int64) * H * W * C
+    plane = (tl.num_programs(0) // H).to(tl.int64) * H * W * C  # B N C
+    x_image, g_image, dm_image = x_ptr + image, g_ptr + image, dm_ptr + image
+    program = row * tl.num_programs(1) + block
+    partial = partial_ptr + program.to(tl.int64) * 6 * C
+    mean_ln, var_ln = _ln_statistics(x_image, i, w, W, C, d, heads, n_var, D_BLOCK)
+    tok1 = tl.zeros([TOKENS], tl.float32)  # sum_c D1 lambda_m
+    tok2 = tl.zeros([TOKENS], tl.float32)  # sum_c D2 lambda_v
+    for head in range(heads):
+        channel, real, centre = _head(centre_ptr, b, head, C, d, D_BLOCK)
+        p_y, p_x = _factors(p_y_ptr, p_x_ptr, head, H, W)
+        first, second = _products(x_image, 0, centre, p_y, p_x, i, w, H, W, C, channel, real,
+                                  True, False, BAND, D_BLOCK, SPAN_BLOCK)
+        lam_m, kap_m, lam_v, kap_v = _ratio_rows(ratios_ptr + head * d, C, d, D_BLOCK)
+        gamma = _channel_row(weight_ptr + head * d, d, D_BLOCK)
+        var_it = tl.maximum(second - first * first, 0.0)
+        mean_it = first + centre
+        x, mask, offsets = _head_tokens(x_image, i, w, head, W, C, d, D_BLOCK)
+        g, _, _ = _head_tokens(g_image, i, w, head, W, C, d, D_BLOCK)
+        rstd, xhat = _standardised(x, mean_ln, var_ln, mean_it, var_it, lam_m, kap_m, lam_v,
+                                   kap_v, eps)
+        d1 = g * gamma * rstd
+        d2 = d1 * xhat * rstd
+        tok1 += tl.sum(d1 * lam_m, axis=1)
+        tok2 += tl.sum(d2 * lam_v, axis=1)
+        # dL/dm_second = dL/dvar_it [var_it > 0], dL/dm_first = dL/dmu_it - 2 m_first dL/dm_second
+        dm_second = tl.where(var_it > 0, -0.5 * kap_v * d2, 0.0)
+        dm_first = -kap_m * d1 - 2.0 * first * dm_second
+        tl.store(dm_image + offsets, dm_first, mask=mask)
+        tl.store(dm_image + plane + offsets, dm_second, mask=mask)
+        sums = partial + head * d + tl.arange(0, D_BLOCK)
+        tl.store(sums, tl.sum(xhat * g, axis=0), mask=real)
+        tl.store(sums + C, tl.sum(g, axis=0), mask=real)
+        tl.store(sums + 2 * C, tl.sum(mean_ln * d1, axis=0), mask=real)
+        tl.store(sums + 3 * C, tl.sum(var_ln * d2, axis=0), mask=real)
+        tl.store(sums + 4 * C, tl.sum(mean_it * d1, axis=0), mask=real)
+        tl.store(sums + 5 * C, tl.sum(var_it * d2, axis=0), mask=real)
+        da1, da2, da3 = _coefficient_sums(x_image, dm_first, dm_second, centre, p_y, p_x, i, w,
+                                          H, W, C, channel, real, BAND, D_BLOCK, SPAN_BLOCK)
+        coef = coef_ptr + (program * heads + head) * 3
+        tl.store(coef, da1)
+        tl.store(coef + 1, da2)
+        tl.store(coef + 2, da3)
+    # the gradient through Eq. 2 (function.ln_gradient): dx = ... + x beta + alpha
+    beta = -tok2 / n_var
+    alpha = -tok1 / C - beta * tl.reshape(mean_ln, [TOKENS])
+    token = token_ptr + (b.to(tl.int64) * H * W + i * W + w) * 4
+    tl.store(token, tl.reshape(mean_ln, [TOKENS]), mask=w < W)
+    tl.store(token + 1, tl.reshape(var_ln, [TOKENS]), mask=w < W)
+    tl.store(token + 2, beta, mask=w < W)
+    tl.store(token + 3, alpha, mask=w < W)
+
+
+@triton.jit(do_not_specialize=['H', 'W', 'C', 'd'])
+def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr,
+                                 weight_ptr, dm_ptr, token_ptr, dx_ptr, H, W, C, d, eps,
+                                 TOKENS: tl.constexpr, BAND: tl.constexpr,
+                                 D_BLOCK: tl.constexpr, SPAN_BLOCK: tl.constexpr):
+    """dx of head ``program_id(2)``'s channels of tokens w of token row i of image b (program (b
+    H + i, block, head)): D1 + x beta + alpha + dL/dT_0 + 2 (x - centre) dL/dT_1."""
+    row, block, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, i = row // H, row % H
+    w = block * TOKENS + tl.arange(0, TOKENS)
+    image = b.to(tl.int64) * H * W * C
+    plane = (tl.num_programs(0) // H).to(tl.int64) * H * W * C  # B N C
+    x_image, g_image = x_ptr + image, g_ptr + image
+    token = token_ptr + (b.to(tl.int64) * H * W + i * W + w) * 4
+    mean_ln = tl.load(token, mask=w < W, other=0.0)[:, None]
+    var_ln = tl.load(token + 1, mask=w < W, other=0.0)[:, None]
+    beta = tl.load(token + 2, mask=w < W, other=0.0)[:, None]
+    alpha = tl.load(token + 3, mask=w < W, other=0.0)[:, None]
+    channel, real, centre = _head(centre_ptr, b, head, C, d, D_BLOCK)
+    p_y, p_x = _factors(p_y_ptr, p_x_ptr, head, H, W)
+    first, second = _products(x_image, 0, centre, p_y, p_x, i, w, H, W, C, channel, real, True,
+                              False, BAND, D_BLOCK, SPAN_BLOCK)
+    lam_m, kap_m, lam_v, kap_v = _ratio_rows(ratios_ptr + head * d, C, d, D_BLOCK)
+    gamma = _channel_row(weight_ptr + head * d, d, D_BLOCK)
+    var_it = tl.maximum(second - first * first, 0.0)
+    x, mask, offsets = _head_tokens(x_image, i, w, head, W, C, d, D_BLOCK)
+    g, _, _ = _head_tokens(g_image, i, w, head, W, C, d, D_BLOCK)
+    rstd, _ = _standardised(x, mean_ln, var_ln, first + centre, var_it, lam_m, kap_m, lam_v,
+                            kap_v, eps)
+    dt_first, dt_second = _products(dm_ptr + image, plane, centre, p_y, p_x, i, w, H, W, C,
+                                    channel, real, False, True, BAND, D_BLOCK, SPAN_BLOCK)
+    dx = g * gamma * rstd + x * beta + alpha + dt_first + 2.0 * (x - centre) * dt_second
+    tl.store(dx_ptr + image + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
+    """dx (x's shape and dtype), the programs' sums (programs, 6, C) for the weight, the bias and
+    the ratios (as :func:`.triton_kernels.token_gradients`') and their shares (programs, heads, 3)
+    of the gradient of a^h, from g and x (B, N, C) contiguous and the forward pass's operands:
+    two launches."""
+    B, N, C = x.shape
+    operands = [x, g, centre.contiguous(), p_y.contiguous(), p_x.contiguous(),
+                ratios.contiguous(), weight.contiguous()]
+    spec = _token_gradients_spec(grid.d)
+    programs = (B * grid.H, -(-grid.W // spec[1]['TOKENS']))
+    dm = x.new_empty(2, B, N, C, dtype=torch.float32)
+    token = x.new_empty(B * N, 4, dtype=torch.float32)
+    partial = x.new_empty(programs[0] * programs[1], 6, C, dtype=torch.float32)
+    coefficients = x.new_empty(programs[0] * programs[1], grid.heads, 3, dtype=torch.float32)
+    launch('triton.fused_token_gradients', spec, programs, operands,
+           [dm, token, partial, coefficients], *operands, dm, token, partial, coefficients,
+           grid.H, grid.W, C, grid.d, grid.heads, float(eps), float(n_var))
+    dx = torch.empty_like(x)
+    spec = _input_gradient_spec(grid.d)
+    programs = (B * grid.H, -(-grid.W // spec[1]['TOKENS']), grid.heads)
+    launch('triton.fused_input_gradient', spec, programs, [*operands, dm, token], [dx],
+           *operands, dm, token, dx, grid.H, grid.W, C, grid.d, float(eps))
+    return dx, partial, coefficients
+
+
+# ---------------------------------------------------------------------------- specialisations
+def _d_block(d):
+    return max(16, triton.next_power_of_2(d))
+
+
 @functools.lru_cache(maxsize=None)
-def _spec(d):
-    d_block = max(16, triton.next_power_of_2(d))
-    tokens, warps = _tiles(d_block)
-    return _fused_output_kernel, dict(TOKENS=tokens, BAND=BAND, D_BLOCK=d_block,
+def _output_spec(d):
+    tokens, warps = _tiles(_d_block(d))
+    return _fused_output_kernel, dict(TOKENS=tokens, BAND=BAND, D_BLOCK=_d_block(d),
                                       SPAN_BLOCK=SPAN_BLOCK), warps
 
 
+@functools.lru_cache(maxsize=None)
+def _token_gradients_spec(d):
+    tokens, warps = _tiles(_d_block(d), backward=True)
+    return _fused_token_gradients_kernel, dict(TOKENS=tokens, BAND=BAND, D_BLOCK=_d_block(d),
+                                               SPAN_BLOCK=SPAN_BLOCK), warps
+
+
+@functools.lru_cache(maxsize=None)
+def _input_gradient_spec(d):
+    tokens, warps = _tiles(_d_block(d))
+    return _fused_input_gradient_kernel, dict(TOKENS=tokens, BAND=BAND, D_BLOCK=_d_block(d),
+                                              SPAN_BLOCK=SPAN_BLOCK), warps
+
+
 def specializations(d):
-    """(kernel, constexprs, num_warps) of the fused forward for heads of d channels."""
-    return [_spec(d)]
+    """(kernel, constexprs, num_warps) of the fused passes for heads of d channels: forward, then
+    backward."""
+    return [_output_spec(d), _token_gradients_spec(d), _input_gradient_spec(d)]

@@ -9,6 +9,8 @@ head for its ratios; backward, a program per head forms the gradients of its a^h
 gates (sums in a fixed order: deterministic). :class:`KernelParameters` runs them inside the
 Triton backend's layer op.
 """
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -36,16 +38,20 @@ def _parameters_kernel(coef_ptr, mean_ptr, var_ptr, p_y_ptr, p_x_ptr, ratios_ptr
         factors._factor_rows(coef_ptr, p_y_ptr, p_x_ptr, h, b, rows, cols, ROWS, BLOCK, CUTOFF)
 
 
-@triton.jit(do_not_specialize=['rows', 'cols', 'C', 'd'])
-def _parameters_backward_kernel(p_y_ptr, p_x_ptr, grad_y_ptr, grad_x_ptr, mean_ptr, var_ptr,
-                                grad_ratios_ptr, grad_coef_ptr, grad_mean_ptr, grad_var_ptr, rows,
-                                cols, C, d, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                                LAYERNORM: tl.constexpr, CHANNELS: tl.constexpr):
+@triton.jit(do_not_specialize=['rows', 'cols', 'C', 'd', 'programs'])
+def _parameters_backward_kernel(p_y_ptr, p_x_ptr, grad_y_ptr, grad_x_ptr, shares_ptr, mean_ptr,
+                                var_ptr, grad_ratios_ptr, grad_coef_ptr, grad_mean_ptr,
+                                grad_var_ptr, rows, cols, C, d, programs, ROWS: tl.constexpr,
+                                BLOCK: tl.constexpr, LAYERNORM: tl.constexpr,
+                                CHANNELS: tl.constexpr, SHARES: tl.constexpr):
     """Program h: the gradients of a^h (3,) and of head h's two gates, from those of P_y^h, P_x^h
-    and the ratios (4, C)."""
+    (or with SHARES from the programs' shares of the gradient of a^h) and the ratios (4, C)."""
     h = tl.program_id(0)
-    factors._coefficient_gradient(p_y_ptr, p_x_ptr, grad_y_ptr, grad_x_ptr, grad_coef_ptr, h,
-                                  rows, cols, ROWS, BLOCK)
+    if SHARES:
+        factors._coefficient_shares(shares_ptr, grad_coef_ptr, h, programs, BLOCK)
+    else:
+        factors._coefficient_gradient(p_y_ptr, p_x_ptr, grad_y_ptr, grad_x_ptr, grad_coef_ptr, h,
+                                      rows, cols, ROWS, BLOCK)
     ratios._gate_gradient(mean_ptr, grad_ratios_ptr, grad_mean_ptr, h, C, d, LAYERNORM, CHANNELS)
     ratios._gate_gradient(var_ptr, grad_ratios_ptr + 2 * C, grad_var_ptr, h, C, d, LAYERNORM,
                           CHANNELS)
@@ -57,16 +63,19 @@ def _parameters_spec(layernorm):
                                     CHANNELS=ratios.BLOCK), 4
 
 
-def _parameters_backward_spec(layernorm):
+def _parameters_backward_spec(layernorm, shares=False):
     return _parameters_backward_kernel, dict(ROWS=factors.ROWS, BLOCK=factors.BLOCK,
-                                             LAYERNORM=layernorm, CHANNELS=ratios.BLOCK), 4
+                                             LAYERNORM=layernorm, CHANNELS=ratios.BLOCK,
+                                             SHARES=shares), 4
 
 
 def specializations():
     """The compiled kernels of the parameters, as (kernel, constexprs, num_warps): one per
-    ``init`` and direction, the same for every layer and grid."""
-    return [spec(layernorm) for spec in (_parameters_spec, _parameters_backward_spec)
-            for layernorm in (False, True)]
+    ``init`` and direction, backward also from the fused backward pass's shares of the gradient
+    of a^h (:mod:`.triton_fused`); the same for every layer and grid."""
+    return [spec for layernorm in (False, True)
+            for spec in (_parameters_spec(layernorm), _parameters_backward_spec(layernorm),
+                         _parameters_backward_spec(layernorm, True))]
 
 
 # ---------------------------------------------------------------------------- the launches
@@ -92,18 +101,27 @@ def run_parameters(pos_coef: Tensor, mean_gate: Tensor, var_gate: Tensor, rows: 
     return p_y, p_x, channel_ratios
 
 
-def run_parameters_backward(p_y: Tensor, p_x: Tensor, grad_y: Tensor, grad_x: Tensor,
-                            mean_gate: Tensor, var_gate: Tensor, grad_ratios: Tensor, d: int,
-                            layernorm: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """The gradients of a^h (heads, 3) and of the two gates from those of P_y, P_x and the ratios
+def run_parameters_backward(p_y: Tensor, p_x: Tensor, grad_y: Optional[Tensor],
+                            grad_x: Optional[Tensor], mean_gate: Tensor, var_gate: Tensor,
+                            grad_ratios: Tensor, d: int, layernorm: bool,
+                            shares: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of a^h (heads, 3) and of the two gates from those of P_y, P_x (or, given
+    instead, the programs' ``shares`` (programs, heads, 3) of the gradient of a^h) and the ratios
     (contiguous float32): one launch."""
     heads, rows, cols = p_y.shape[0], p_y.shape[1], p_x.shape[1]
     grad_coef = p_y.new_empty(heads, 3)
     grad_mean, grad_var = torch.empty_like(mean_gate), torch.empty_like(var_gate)
-    launch('triton.parameters_backward', _parameters_backward_spec(layernorm), (heads, ),
-           [p_y, p_x, grad_y, grad_x, mean_gate, var_gate, grad_ratios],
-           [grad_coef, grad_mean, grad_var], p_y, p_x, grad_y, grad_x, mean_gate, var_gate,
-           grad_ratios, grad_coef, grad_mean, grad_var, rows, cols, heads * d, d)
+    if shares is None:
+        grad_y, grad_x = grad_y.contiguous(), grad_x.contiguous()
+        gradients, programs = [grad_y, grad_x], 0
+        pointers = [grad_y, grad_x, grad_y]
+    else:
+        gradients, programs = [shares], shares.shape[0]
+        pointers = [p_y, p_x, shares]
+    launch('triton.parameters_backward', _parameters_backward_spec(layernorm, shares is not None),
+           (heads, ), [p_y, p_x, *gradients, mean_gate, var_gate, grad_ratios],
+           [grad_coef, grad_mean, grad_var], p_y, p_x, *pointers, mean_gate, var_gate,
+           grad_ratios, grad_coef, grad_mean, grad_var, rows, cols, heads * d, d, programs)
     return grad_coef, grad_mean, grad_var
 
 
@@ -111,7 +129,8 @@ class KernelParameters(FormedParameters):
     """The Triton layer op takes the layer's own parameters, a^h (heads, 3) and the gates
     (heads,) each, and forms P_y, P_x and the ratios inside (:func:`run_parameters`); backward
     keeps the three and turns their gradients into those of a^h and the gates
-    (:func:`run_parameters_backward`)."""
+    (:func:`run_parameters_backward`), or adds up the shares of the gradient of a^h that the fused
+    backward pass gives instead of those of P_y and P_x (:class:`..function.Gradients`)."""
 
     def form(self, pos_coef, mean_gate, var_gate, grid, layernorm):
         return run_parameters(pos_coef, mean_gate, var_gate, grid.Hp, grid.Wp, grid.d, layernorm)
@@ -127,5 +146,6 @@ class KernelParameters(FormedParameters):
 
     def gradients(self, inputs, formed, grads, grid, layernorm):
         p_y, p_x, _ = formed
-        return run_parameters_backward(p_y, p_x, grads.p_y.contiguous(), grads.p_x.contiguous(),
-                                       *inputs[1:], grads.ratios.contiguous(), grid.d, layernorm)
+        return run_parameters_backward(p_y, p_x, grads.p_y, grads.p_x, *inputs[1:],
+                                       grads.ratios.contiguous(), grid.d, layernorm,
+                                       grads.coefficients)
