@@ -87,22 +87,23 @@ def test_equals_dense_reference_float32(triton_dtn, hw, pool, heads, C, B, refer
 
 
 @pytest.mark.parametrize('C,heads,hw,enabled,fused', [
-    (8, 2, (3, 41), True, True), (8, 2, (3, 41), False, False), (136, 1, (3, 5), True, False)])
-def test_forward_without_pooling_fused_or_staged(triton_dtn, monkeypatch, C, heads, hw, enabled,
-                                                 fused):
-    """Without pooling the forward pass is one fused kernel for heads of up to 128 channels (here
-    on token rows of several programs), and the staged passes for wider heads (136 channels) or
-    with MMDTN_TRITON_FUSED_FORWARD=0: each equals the dense reference, forward and every
-    gradient, to float32 rounding."""
+    (8, 2, (3, 41), True, True), (8, 2, (3, 41), False, False), (72, 1, (3, 5), True, False)])
+def test_without_pooling_fused_or_staged(triton_dtn, monkeypatch, C, heads, hw, enabled, fused):
+    """Without pooling the passes are fused kernels for heads of up to 64 channels (here on token
+    rows of several programs): one forward, two backward, and no band products; the staged passes
+    for wider heads (72 channels) or with MMDTN_TRITON_FUSED=0. Each equals the dense reference,
+    forward and every gradient, to float32 rounding."""
     from mmdtn.models.layers.dtn.backends import triton_fused
     monkeypatch.setattr(triton_fused, 'ENABLED', enabled)
     norm = randomize(DynamicTokenNorm(C, heads, eps=1e-5)).float().to(DEVICE)
     x = tokens(2, *hw, C, torch.float32).to(DEVICE)
     with recording_launches() as launches:
-        norm(x, hw)
+        outputs_and_gradients(norm, x, hw)
     names = [k.name for k in launches]
-    assert ('triton.fused_output' in names) == fused, names
-    assert ('triton.output' in names) == (not fused), names
+    fused_names = ['triton.fused_output', 'triton.fused_token_gradients',
+                   'triton.fused_input_gradient']
+    assert [n for n in names if n.startswith('triton.fused')] == (fused_names if fused else [])
+    assert ('triton.band_matmul' in names) == (not fused), names
     assert max(relative_errors(norm, x, hw)) < 1e-5
 
 
@@ -168,27 +169,35 @@ def test_traffic_with_pooling(backend_setting, C, hw, pool, heads):
 
 
 def test_traffic_without_pooling(backend_setting):
-    """Without pooling (PVT-Tiny's stage-3 shape, float16 tokens, on meta tensors) forward is one
-    fused pass: x read once and y written once, as LayerNorm, plus the positional factors and the
-    per-channel parameters. Backward keeps the staged passes: T is never stored (no moments pass,
-    the products with P_x read the tokens); four band products, u and m once each and the two
-    products backwards."""
+    """Without pooling (PVT-Tiny's stage-3 shape, float16 tokens, on meta tensors) the passes are
+    fused. Forward: x read once and y written once, as LayerNorm, plus the positional factors and
+    the per-channel parameters. Backward, two passes over the tokens: g and x read and dL/dm
+    written (two float32 values per channel) and the sums for the parameters (per program), then
+    g, x and dL/dm read and dx written; besides them only per-token values and the factors."""
     C, H, W = 320, 50, 84
     _, counts, x = traffic_on_meta(C, (H, W), 1, 5)
-    tokens, token_bytes = x.shape[:2].numel(), C * 2
+    tokens, token_bytes, dm_bytes = x.shape[:2].numel(), C * 2, 2 * C * 4
     forward, backward = counts
     assert set(forward.by_kernel) <= {'triton.parameters', 'triton.fused_output', 'torch'}
     assert forward.by_kernel['triton.fused_output'] / tokens <= 1.02 * 2 * token_bytes
     assert forward.bytes / tokens <= 1.1 * 2 * token_bytes, forward.by_kernel  # + the centre
-    assert 'triton.moments' not in backward.by_kernel, backward.by_kernel
+    from mmdtn.models.layers.dtn.backends.triton_fused import specializations
+    programs = 2 * H * -(-W // specializations(C // 5)[1][1]['TOKENS'])
+    sums = programs * 6 * C * 4 / tokens  # per program, for the weight, bias and ratios
+    passes = backward.by_kernel['triton.fused_token_gradients'] / tokens
+    assert 2 * token_bytes + dm_bytes + sums < passes <= 1.03 * (2 * token_bytes + dm_bytes + sums)
+    passes = backward.by_kernel['triton.fused_input_gradient'] / tokens
+    assert 3 * token_bytes + dm_bytes < passes <= 1.03 * (3 * token_bytes + dm_bytes)
+    assert backward.bytes / tokens <= 1.03 * (5 * token_bytes + 2 * dm_bytes + 2 * sums)
     from benchmark_norm import TrafficCounter  # looks inside the custom ops on meta tensors
     norm = DynamicTokenNorm(C, 5).to('meta')
     with TrafficCounter().counting(), recording_launches() as launches:
         y = norm(x, (H, W))
         assert [k.name for k in launches] == ['triton.parameters', 'triton.fused_output']
         torch.autograd.grad(y.sum(), x)
-    names = [k.name for k in launches]
-    assert names.count('triton.band_matmul') == 4 and 'triton.moments' not in names, names
+    assert [k.name for k in launches[2:]] == [
+        'triton.fused_token_gradients', 'triton.fused_input_gradient',
+        'triton.parameter_gradients', 'triton.parameters_backward']
 
 
 def test_kernel_loads_counts_what_the_interpreted_kernels_load(backend_setting):
@@ -523,7 +532,8 @@ def test_kernels_compile_for_sm90_without_spills():
     assert kernels == {'_moments_kernel', '_output_kernel', '_token_gradients_kernel',
                        '_parameter_gradients_kernel', '_input_gradient_kernel',
                        '_parameters_kernel', '_parameters_backward_kernel', '_band_matmul_kernel',
-                       '_band_outer_kernel', '_fused_output_kernel'}
+                       '_band_outer_kernel', '_fused_output_kernel',
+                       '_fused_token_gradients_kernel', '_fused_input_gradient_kernel'}
     for r in rows:
         assert r['arch'] == 90 and set(r) >= {'kernel', 'registers', 'spills', 'shared_bytes'}
         assert r['spills'] == 0 and r['shared_bytes'] <= 227 * 1024, r

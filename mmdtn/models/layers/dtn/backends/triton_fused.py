@@ -6,7 +6,7 @@ Without pooling the staged passes (:mod:`..function`) write and read u = P_x T a
 forward and u, m, dL/du and dL/dT again backward, float32 tensors of two moments per channel and
 token (with 16-bit tokens four times x's bytes each): 9.5x LayerNorm's bytes forward and 22.6x
 backward (``benchmark_norm.py --tables traffic``). Here a program holds TOKENS tokens w of one token
-row i of one image (:func:`_tiles`) and forms, head by head, over the nonzero band of both factors
+row i of one image (:data:`TILES`) and forms, head by head, over the nonzero band of both factors
 (:func:`.triton_band._band`, found from P on the device), BAND token columns s at a time
 (:func:`_products`):
 
@@ -55,26 +55,26 @@ BAND = 16
 #: Whether the fused passes run at all: ``MMDTN_TRITON_FUSED=0`` runs the staged passes instead
 #: (read at import), to compare the two on a GPU.
 ENABLED = os.environ.get('MMDTN_TRITON_FUSED', '1') != '0'
-#: The widest heads the fused passes take: up to 128 channels they compile without spills on
-#: sm_80 and sm_90 (:func:`_tiles`); wider heads run the staged passes.
-MAX_HEAD_CHANNELS = 128
+#: The widest heads the fused passes take: up to 64 channels all three compile without spills on
+#: sm_80 and sm_90 (:data:`TILES`); for 128 the token-gradients kernel spilled 16 bytes or more
+#: with every tile tried. Wider heads run the staged passes.
+MAX_HEAD_CHANNELS = 64
+#: (tokens of a token row per program, warps) by kernel and head width (channels, padded to 32 or
+#: 64): without spills on sm_80 and sm_90 in every dtype (``compile_kernels.py``); of 16 or 32
+#: tokens with 4 or 8 warps, ptxas spilled 16 to 1500 bytes with the others for some dtype or
+#: architecture. The tokens are the rows of P_x in one tl.dot (at least 16). Not yet timed on a
+#: GPU.
+TILES = {
+    'output': {32: (16, 8), 64: (32, 8)},
+    'token_gradients': {32: (16, 4), 64: (16, 8)},
+    'input_gradient': {32: (16, 4), 64: (32, 4)},
+}
 
 
 def fuses(pool, d):
     """Whether a layer with pooling ``pool`` and heads of d channels runs fused here (no pooling,
     heads of at most MAX_HEAD_CHANNELS channels; unless not ENABLED)."""
     return ENABLED and pool == 1 and d <= MAX_HEAD_CHANNELS
-
-
-def _tiles(d_block, backward=False):
-    """Tokens of a token row per program (the rows of P_x in one tl.dot, at least 16) and warps,
-    for heads of d_block channels (padded), compiled without spills on sm_80 and sm_90 in every
-    dtype (``compile_kernels.py``): forward 16 tokens and 4 warps for 32 channels (with 32 and 8,
-    sm_90 float32 spilled 40 bytes), 32 tokens and 8 warps for 64 and 128; the token-gradients
-    kernel, which holds more tensors, 16 tokens. Not yet timed on a GPU."""
-    if backward:
-        return 16, 4 if d_block <= 32 else 8
-    return (16, 4) if d_block <= 32 else (32, 8)
 
 
 # ---------------------------------------------------------------------------- shared pieces
@@ -199,7 +199,7 @@ def fused_output(x, centre, p_y, p_x, ratios, weight, bias, eps, n_var, grid):
     y = torch.empty_like(x)
     operands = [x, centre.contiguous(), p_y.contiguous(), p_x.contiguous(), ratios.contiguous(),
                 weight.contiguous(), bias.contiguous()]
-    spec = _output_spec(grid.d)
+    spec = specializations(grid.d)[0]
     launch('triton.fused_output', spec, (grid.B * grid.H, -(-grid.W // spec[1]['TOKENS'])),
            operands, [y], *operands, y, grid.H, grid.W, grid.C, grid.d, grid.heads, float(eps),
            float(n_var))
@@ -372,7 +372,7 @@ def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
     B, N, C = x.shape
     operands = [x, g, centre.contiguous(), p_y.contiguous(), p_x.contiguous(),
                 ratios.contiguous(), weight.contiguous()]
-    spec = _token_gradients_spec(grid.d)
+    spec = specializations(grid.d)[1]
     programs = (B * grid.H, -(-grid.W // spec[1]['TOKENS']))
     dm = x.new_empty(2, B, N, C, dtype=torch.float32)
     token = x.new_empty(B * N, 4, dtype=torch.float32)
@@ -382,7 +382,7 @@ def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
            [dm, token, partial, coefficients], *operands, dm, token, partial, coefficients,
            grid.H, grid.W, C, grid.d, grid.heads, float(eps), float(n_var))
     dx = torch.empty_like(x)
-    spec = _input_gradient_spec(grid.d)
+    spec = specializations(grid.d)[2]
     programs = (B * grid.H, -(-grid.W // spec[1]['TOKENS']), grid.heads)
     launch('triton.fused_input_gradient', spec, programs, [*operands, dm, token], [dx],
            *operands, dm, token, dx, grid.H, grid.W, C, grid.d, float(eps))
@@ -390,32 +390,17 @@ def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
 
 
 # ---------------------------------------------------------------------------- specialisations
-def _d_block(d):
-    return max(16, triton.next_power_of_2(d))
+def _spec(kernel, name, d):
+    """(kernel, constexprs, num_warps) of one fused kernel for heads of d channels."""
+    d_block = max(32, triton.next_power_of_2(d))
+    tokens, warps = TILES[name][d_block]
+    return kernel, dict(TOKENS=tokens, BAND=BAND, D_BLOCK=d_block, SPAN_BLOCK=SPAN_BLOCK), warps
 
 
 @functools.lru_cache(maxsize=None)
-def _output_spec(d):
-    tokens, warps = _tiles(_d_block(d))
-    return _fused_output_kernel, dict(TOKENS=tokens, BAND=BAND, D_BLOCK=_d_block(d),
-                                      SPAN_BLOCK=SPAN_BLOCK), warps
-
-
-@functools.lru_cache(maxsize=None)
-def _token_gradients_spec(d):
-    tokens, warps = _tiles(_d_block(d), backward=True)
-    return _fused_token_gradients_kernel, dict(TOKENS=tokens, BAND=BAND, D_BLOCK=_d_block(d),
-                                               SPAN_BLOCK=SPAN_BLOCK), warps
-
-
-@functools.lru_cache(maxsize=None)
-def _input_gradient_spec(d):
-    tokens, warps = _tiles(_d_block(d))
-    return _fused_input_gradient_kernel, dict(TOKENS=tokens, BAND=BAND, D_BLOCK=_d_block(d),
-                                              SPAN_BLOCK=SPAN_BLOCK), warps
-
-
 def specializations(d):
-    """(kernel, constexprs, num_warps) of the fused passes for heads of d channels: forward, then
-    backward."""
-    return [_output_spec(d), _token_gradients_spec(d), _input_gradient_spec(d)]
+    """(kernel, constexprs, num_warps) of the fused passes for heads of d channels: the output,
+    the token gradients and the input gradient."""
+    return (_spec(_fused_output_kernel, 'output', d),
+            _spec(_fused_token_gradients_kernel, 'token_gradients', d),
+            _spec(_fused_input_gradient_kernel, 'input_gradient', d))

@@ -563,14 +563,12 @@ def specializations(C, pool, heads, square_of_pooled=False):
     """The compiled kernels one DTN layer of C channels in ``heads`` heads and pooling ``pool``
     launches over the tokens, forward and backward, as (kernel, constexprs, num_warps): what a GPU
     compiles for it (the tokens' dtype aside). The image size is not part of it. Without pooling
-    the forward pass is one fused kernel (:mod:`.triton_fused`) where it takes the heads."""
+    the passes are fused kernels (:mod:`.triton_fused`) where they take the heads."""
     from . import triton_fused as fused  # which imports this module's pieces of Eqs. 4-5
-    second = pool == 1 or not square_of_pooled
     if fused.fuses(pool, C // heads):
-        forward = fused.specializations(C // heads)
-    else:  # T of the tokens: no moments pass without pooling
-        forward = [_output_spec(C, pool)]
-        if pool > 1:
-            forward.insert(0, _moments_spec(C, pool, square_of_pooled))
-    return forward + [_token_gradients_spec(C, pool), _parameter_gradients_spec(),
-                      _input_gradient_spec(C, pool, second)]
+        return [*fused.specializations(C // heads), _parameter_gradients_spec()]
+    passes = [_output_spec(C, pool), _token_gradients_spec(C, pool), _parameter_gradients_spec(),
+              _input_gradient_spec(C, pool, pool == 1 or not square_of_pooled)]
+    if pool > 1:  # T of the tokens: no moments pass without pooling
+        passes.insert(0, _moments_spec(C, pool, square_of_pooled))
+    return passes
