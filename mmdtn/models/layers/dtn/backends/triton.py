@@ -10,10 +10,12 @@ Four kernels read and write the tokens: the moments T of the cells (x read once)
 (x read, y written), and backward the token gradients (g and x read, dL/dm of the cells written)
 and the input gradient (g and x read, dx written). Between them the positional products run on
 the cell grid, one axis at a time (:mod:`..function`), in float32, over the nonzero band of
-each factor (:mod:`.triton_band`). Without pooling the forward pass is one kernel instead
-(:mod:`.triton_fused`: Eq. 2, the products and the output, x read once and y written once; heads
-of up to 128 channels), and backward never stores T (x - centre and its square, four times the
-bytes of 16-bit tokens): the products with P_x form it from the tokens where they read it
+each factor (:mod:`.triton_band`). Without pooling the passes are fused instead, the products
+formed on chip (:mod:`.triton_fused`; heads of up to 64 channels): forward one kernel (x read
+once, y written once), backward two (dL/dm, then dx), whose programs contract their shares of the
+gradients of P_y and P_x with Eq. 6's softmax into the gradient of a^h. Where the staged passes
+run without pooling, backward never stores T (x - centre and its square, four times the bytes of
+16-bit tokens): the products with P_x form it from the tokens where they read it
 (:class:`..function.TokenMoments`).
 
 A layer is one ``torch.library`` custom op each way, ``mmdtn::dtn_triton_forward`` and

@@ -26,7 +26,8 @@ column-at-a-time loop, but band_outer to 1.25-1.65x, so band_outer keeps the loo
 Matrix k of X, A and the results uses P[k // group]. Everything is float32, except that without
 pooling X = T (x - centre and its square, four times the bytes of 16-bit tokens) is not stored:
 with TOKENS the kernels form its entries from the tokens where they read them
-(:class:`..function.TokenMoments`).
+(:class:`..function.TokenMoments`). Without pooling these products run only for heads too wide
+for the fused passes (:mod:`.triton_fused`), which form the products on chip.
 """
 import torch
 import triton
