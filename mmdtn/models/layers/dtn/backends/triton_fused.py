@@ -165,6 +165,28 @@ def _factors(p_y_ptr, p_x_ptr, head, H, W):
     return p_y_ptr + head * H * H, p_x_ptr + head * W * W
 
 
+@triton.jit
+def _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, w, head, H, W, C,
+                       d, mean_ln, var_ln, eps, BAND: tl.constexpr, D_BLOCK: tl.constexpr,
+                       SPAN_BLOCK: tl.constexpr):
+    """Eq. 5 by the products on chip inside Eq. 4 without the affine, for the channels of
+    ``head`` of tokens w of token row i of image b, given Eq. 2 ([TOKENS, 1] each). Returns the
+    tokens x [TOKENS, D_BLOCK], their mask and offsets, the head's channels, which are real, its
+    centre, P_y^h and P_x^h, the first moment about the centre m_0 = mu_it - centre, var_it, the
+    four ratio rows, rstd and xhat."""
+    channel, real, centre = _head(centre_ptr, b, head, C, d, D_BLOCK)
+    p_y, p_x = _factors(p_y_ptr, p_x_ptr, head, H, W)
+    first, second = _products(x_image, 0, centre, p_y, p_x, i, w, H, W, C, channel, real, True,
+                              False, BAND, D_BLOCK, SPAN_BLOCK)
+    lam_m, kap_m, lam_v, kap_v = _ratio_rows(ratios_ptr + head * d, C, d, D_BLOCK)
+    var_it = tl.maximum(second - first * first, 0.0)
+    x, mask, offsets = _head_tokens(x_image, i, w, head, W, C, d, D_BLOCK)
+    rstd, xhat = _standardised(x, mean_ln, var_ln, first + centre, var_it, lam_m, kap_m, lam_v,
+                               kap_v, eps)
+    return (x, mask, offsets, channel, real, centre, p_y, p_x, first, var_it, lam_m, kap_m, lam_v,
+            kap_v, rstd, xhat)
+
+
 # ---------------------------------------------------------------------------- forward
 @triton.jit(do_not_specialize=['H', 'W', 'C', 'd', 'heads'])
 def _fused_output_kernel(x_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, weight_ptr, bias_ptr,
@@ -178,18 +200,11 @@ def _fused_output_kernel(x_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, weight
     x_image, y_image = x_ptr + image, y_ptr + image
     mean_ln, var_ln = _ln_statistics(x_image, i, w, W, C, d, heads, n_var, D_BLOCK)
     for head in range(heads):
-        channel, real, centre = _head(centre_ptr, b, head, C, d, D_BLOCK)
-        p_y, p_x = _factors(p_y_ptr, p_x_ptr, head, H, W)
-        first, second = _products(x_image, 0, centre, p_y, p_x, i, w, H, W, C, channel, real,
-                                  True, False, BAND, D_BLOCK, SPAN_BLOCK)
-        # Eq. 5 inside Eq. 4
-        lam_m, kap_m, lam_v, kap_v = _ratio_rows(ratios_ptr + head * d, C, d, D_BLOCK)
+        x, mask, offsets, _, _, _, _, _, _, _, _, _, _, _, _, xhat = _head_standardised(
+            x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, w, head, H, W, C, d,
+            mean_ln, var_ln, eps, BAND, D_BLOCK, SPAN_BLOCK)
         gamma = _channel_row(weight_ptr + head * d, d, D_BLOCK)
         beta = _channel_row(bias_ptr + head * d, d, D_BLOCK)
-        var_it = tl.maximum(second - first * first, 0.0)
-        x, mask, offsets = _head_tokens(x_image, i, w, head, W, C, d, D_BLOCK)
-        _, xhat = _standardised(x, mean_ln, var_ln, first + centre, var_it, lam_m, kap_m, lam_v,
-                                kap_v, eps)
         tl.store(y_image + offsets, (xhat * gamma + beta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -285,18 +300,13 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
     tok1 = tl.zeros([TOKENS], tl.float32)  # sum_c D1 lambda_m
     tok2 = tl.zeros([TOKENS], tl.float32)  # sum_c D2 lambda_v
     for head in range(heads):
-        channel, real, centre = _head(centre_ptr, b, head, C, d, D_BLOCK)
-        p_y, p_x = _factors(p_y_ptr, p_x_ptr, head, H, W)
-        first, second = _products(x_image, 0, centre, p_y, p_x, i, w, H, W, C, channel, real,
-                                  True, False, BAND, D_BLOCK, SPAN_BLOCK)
-        lam_m, kap_m, lam_v, kap_v = _ratio_rows(ratios_ptr + head * d, C, d, D_BLOCK)
+        (x, mask, offsets, channel, real, centre, p_y, p_x, first, var_it, lam_m, kap_m, lam_v,
+         kap_v, rstd, xhat) = _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr,
+                                                 ratios_ptr, b, i, w, head, H, W, C, d, mean_ln,
+                                                 var_ln, eps, BAND, D_BLOCK, SPAN_BLOCK)
         gamma = _channel_row(weight_ptr + head * d, d, D_BLOCK)
-        var_it = tl.maximum(second - first * first, 0.0)
-        mean_it = first + centre
-        x, mask, offsets = _head_tokens(x_image, i, w, head, W, C, d, D_BLOCK)
         g, _, _ = _head_tokens(g_image, i, w, head, W, C, d, D_BLOCK)
-        rstd, xhat = _standardised(x, mean_ln, var_ln, mean_it, var_it, lam_m, kap_m, lam_v,
-                                   kap_v, eps)
+        mean_it = first + centre
         d1 = g * gamma * rstd
         d2 = d1 * xhat * rstd
         tok1 += tl.sum(d1 * lam_m, axis=1)
@@ -347,17 +357,11 @@ def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, rat
     var_ln = tl.load(token + 1, mask=w < W, other=0.0)[:, None]
     beta = tl.load(token + 2, mask=w < W, other=0.0)[:, None]
     alpha = tl.load(token + 3, mask=w < W, other=0.0)[:, None]
-    channel, real, centre = _head(centre_ptr, b, head, C, d, D_BLOCK)
-    p_y, p_x = _factors(p_y_ptr, p_x_ptr, head, H, W)
-    first, second = _products(x_image, 0, centre, p_y, p_x, i, w, H, W, C, channel, real, True,
-                              False, BAND, D_BLOCK, SPAN_BLOCK)
-    lam_m, kap_m, lam_v, kap_v = _ratio_rows(ratios_ptr + head * d, C, d, D_BLOCK)
+    x, mask, offsets, channel, real, centre, p_y, p_x, _, _, _, _, _, _, rstd, _ = \
+        _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, w, head, H,
+                           W, C, d, mean_ln, var_ln, eps, BAND, D_BLOCK, SPAN_BLOCK)
     gamma = _channel_row(weight_ptr + head * d, d, D_BLOCK)
-    var_it = tl.maximum(second - first * first, 0.0)
-    x, mask, offsets = _head_tokens(x_image, i, w, head, W, C, d, D_BLOCK)
     g, _, _ = _head_tokens(g_image, i, w, head, W, C, d, D_BLOCK)
-    rstd, _ = _standardised(x, mean_ln, var_ln, first + centre, var_it, lam_m, kap_m, lam_v,
-                            kap_v, eps)
     dt_first, dt_second = _products(dm_ptr + image, plane, centre, p_y, p_x, i, w, H, W, C,
                                     channel, real, False, True, BAND, D_BLOCK, SPAN_BLOCK)
     dx = g * gamma * rstd + x * beta + alpha + dt_first + 2.0 * (x - centre) * dt_second
