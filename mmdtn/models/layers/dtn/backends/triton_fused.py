@@ -121,14 +121,22 @@ def _source(src_image, plane, offsets, mask, centre, FROM_TOKENS: tl.constexpr):
 
 
 @triton.jit
-def _products(src_image, plane, centre, p_y, p_x, i, w, H, W, C, channel, real,
-              FROM_TOKENS: tl.constexpr, TRANSPOSE: tl.constexpr, BAND: tl.constexpr,
-              D_BLOCK: tl.constexpr, SPAN_BLOCK: tl.constexpr):
-    """(P_y^h (x) P_x^h) S at tokens w of token row i, or with TRANSPOSE the transposed factors',
-    for the channels ``channel`` of one head (``real``: the head's own): the two moments, float32
-    [TOKENS, D_BLOCK]. See the module docstring."""
+def _bands(p_y, p_x, i, w, H, W, TRANSPOSE: tl.constexpr, SPAN_BLOCK: tl.constexpr):
+    """The nonzero band of P_y^h's row i and of P_x^h's rows w (with TRANSPOSE: of their
+    columns), searched once per head and program: (lo_y, hi_y, lo_x, hi_x)."""
     lo_y, hi_y = _band(p_y, i + tl.arange(0, 1), H, TRANSPOSE, 1, SPAN_BLOCK)
     lo_x, hi_x = _band(p_x, w, W, TRANSPOSE, w.shape[0], SPAN_BLOCK)
+    return lo_y, hi_y, lo_x, hi_x
+
+
+@triton.jit
+def _products(src_image, plane, centre, p_y, p_x, bands, i, w, H, W, C, channel, real,
+              FROM_TOKENS: tl.constexpr, TRANSPOSE: tl.constexpr, BAND: tl.constexpr,
+              D_BLOCK: tl.constexpr):
+    """(P_y^h (x) P_x^h) S at tokens w of token row i, or with TRANSPOSE the transposed factors',
+    over their ``bands`` (:func:`_bands`), for the channels ``channel`` of one head (``real``: the
+    head's own): the two moments, float32 [TOKENS, D_BLOCK]. See the module docstring."""
+    lo_y, hi_y, lo_x, hi_x = bands
     first = tl.zeros([w.shape[0], D_BLOCK], tl.float32)
     second = tl.zeros([w.shape[0], D_BLOCK], tl.float32)
     for start in range(lo_x, hi_x, BAND):
@@ -172,19 +180,20 @@ def _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, 
     """Eq. 5 by the products on chip inside Eq. 4 without the affine, for the channels of
     ``head`` of tokens w of token row i of image b, given Eq. 2 ([TOKENS, 1] each). Returns the
     tokens x [TOKENS, D_BLOCK], their mask and offsets, the head's channels, which are real, its
-    centre, P_y^h and P_x^h, the first moment about the centre m_0 = mu_it - centre, var_it, the
-    four ratio rows, rstd and xhat."""
+    centre, P_y^h and P_x^h and their bands, the first moment about the centre m_0 = mu_it -
+    centre, var_it, the four ratio rows, rstd and xhat."""
     channel, real, centre = _head(centre_ptr, b, head, C, d, D_BLOCK)
     p_y, p_x = _factors(p_y_ptr, p_x_ptr, head, H, W)
-    first, second = _products(x_image, 0, centre, p_y, p_x, i, w, H, W, C, channel, real, True,
-                              False, BAND, D_BLOCK, SPAN_BLOCK)
+    bands = _bands(p_y, p_x, i, w, H, W, False, SPAN_BLOCK)
+    first, second = _products(x_image, 0, centre, p_y, p_x, bands, i, w, H, W, C, channel, real,
+                              True, False, BAND, D_BLOCK)
     lam_m, kap_m, lam_v, kap_v = _ratio_rows(ratios_ptr + head * d, C, d, D_BLOCK)
     var_it = tl.maximum(second - first * first, 0.0)
     x, mask, offsets = _head_tokens(x_image, i, w, head, W, C, d, D_BLOCK)
     rstd, xhat = _standardised(x, mean_ln, var_ln, first + centre, var_it, lam_m, kap_m, lam_v,
                                kap_v, eps)
-    return (x, mask, offsets, channel, real, centre, p_y, p_x, first, var_it, lam_m, kap_m, lam_v,
-            kap_v, rstd, xhat)
+    return (x, mask, offsets, channel, real, centre, p_y, p_x, bands, first, var_it, lam_m, kap_m,
+            lam_v, kap_v, rstd, xhat)
 
 
 # ---------------------------------------------------------------------------- forward
@@ -200,7 +209,7 @@ def _fused_output_kernel(x_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, weight
     x_image, y_image = x_ptr + image, y_ptr + image
     mean_ln, var_ln = _ln_statistics(x_image, i, w, W, C, d, heads, n_var, D_BLOCK)
     for head in range(heads):
-        x, mask, offsets, _, _, _, _, _, _, _, _, _, _, _, _, xhat = _head_standardised(
+        x, mask, offsets, _, _, _, _, _, _, _, _, _, _, _, _, _, xhat = _head_standardised(
             x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, w, head, H, W, C, d,
             mean_ln, var_ln, eps, BAND, D_BLOCK, SPAN_BLOCK)
         gamma = _channel_row(weight_ptr + head * d, d, D_BLOCK)
@@ -223,14 +232,13 @@ def fused_output(x, centre, p_y, p_x, ratios, weight, bias, eps, n_var, grid):
 
 # ---------------------------------------------------------------------------- backward
 @triton.jit
-def _coefficient_sums(x_image, dm_first, dm_second, centre, p_y, p_x, i, w, H, W, C, channel,
-                      real, BAND: tl.constexpr, D_BLOCK: tl.constexpr, SPAN_BLOCK: tl.constexpr):
+def _coefficient_sums(x_image, dm_first, dm_second, centre, p_y, p_x, bands, i, w, H, W, C,
+                      channel, real, BAND: tl.constexpr, D_BLOCK: tl.constexpr):
     """This program's share (da1, da2, da3) of the gradient of a^h from its tokens' dL/dm
-    [TOKENS, D_BLOCK] each moment (zeros outside), through the products of :func:`_products` and
-    the softmax of Eq. 6 (module docstring), R = (d^2, d) with d = source - output on each
-    axis."""
-    lo_y, hi_y = _band(p_y, i + tl.arange(0, 1), H, False, 1, SPAN_BLOCK)
-    lo_x, hi_x = _band(p_x, w, W, False, w.shape[0], SPAN_BLOCK)
+    [TOKENS, D_BLOCK] each moment (zeros outside), through the products of :func:`_products` over
+    the same ``bands`` and the softmax of Eq. 6 (module docstring), R = (d^2, d) with d = source -
+    output on each axis."""
+    lo_y, hi_y, lo_x, hi_x = bands
     # P_y's row i: Rbar = sum_r P R and sum_r P dP (1, R); P_x's rows w: the same, per row
     zero = tl.sum(tl.zeros([w.shape[0]], tl.float32), axis=0)
     mean_sq_y, mean_lin_y, dp_y, dp_sq_y, dp_lin_y = zero, zero, zero, zero, zero
@@ -300,10 +308,10 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
     tok1 = tl.zeros([TOKENS], tl.float32)  # sum_c D1 lambda_m
     tok2 = tl.zeros([TOKENS], tl.float32)  # sum_c D2 lambda_v
     for head in range(heads):
-        (x, mask, offsets, channel, real, centre, p_y, p_x, first, var_it, lam_m, kap_m, lam_v,
-         kap_v, rstd, xhat) = _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr,
-                                                 ratios_ptr, b, i, w, head, H, W, C, d, mean_ln,
-                                                 var_ln, eps, BAND, D_BLOCK, SPAN_BLOCK)
+        (x, mask, offsets, channel, real, centre, p_y, p_x, bands, first, var_it, lam_m, kap_m,
+         lam_v, kap_v, rstd, xhat) = _head_standardised(
+             x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, w, head, H, W, C, d,
+             mean_ln, var_ln, eps, BAND, D_BLOCK, SPAN_BLOCK)
         gamma = _channel_row(weight_ptr + head * d, d, D_BLOCK)
         g, _, _ = _head_tokens(g_image, i, w, head, W, C, d, D_BLOCK)
         mean_it = first + centre
@@ -323,8 +331,8 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
         tl.store(sums + 3 * C, tl.sum(var_ln * d2, axis=0), mask=real)
         tl.store(sums + 4 * C, tl.sum(mean_it * d1, axis=0), mask=real)
         tl.store(sums + 5 * C, tl.sum(var_it * d2, axis=0), mask=real)
-        da1, da2, da3 = _coefficient_sums(x_image, dm_first, dm_second, centre, p_y, p_x, i, w,
-                                          H, W, C, channel, real, BAND, D_BLOCK, SPAN_BLOCK)
+        da1, da2, da3 = _coefficient_sums(x_image, dm_first, dm_second, centre, p_y, p_x, bands,
+                                          i, w, H, W, C, channel, real, BAND, D_BLOCK)
         coef = coef_ptr + (program * heads + head) * 3
         tl.store(coef, da1)
         tl.store(coef + 1, da2)
@@ -357,13 +365,14 @@ def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, rat
     var_ln = tl.load(token + 1, mask=w < W, other=0.0)[:, None]
     beta = tl.load(token + 2, mask=w < W, other=0.0)[:, None]
     alpha = tl.load(token + 3, mask=w < W, other=0.0)[:, None]
-    x, mask, offsets, channel, real, centre, p_y, p_x, _, _, _, _, _, _, rstd, _ = \
+    x, mask, offsets, channel, real, centre, p_y, p_x, _, _, _, _, _, _, _, rstd, _ = \
         _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, w, head, H,
                            W, C, d, mean_ln, var_ln, eps, BAND, D_BLOCK, SPAN_BLOCK)
     gamma = _channel_row(weight_ptr + head * d, d, D_BLOCK)
     g, _, _ = _head_tokens(g_image, i, w, head, W, C, d, D_BLOCK)
-    dt_first, dt_second = _products(dm_ptr + image, plane, centre, p_y, p_x, i, w, H, W, C,
-                                    channel, real, False, True, BAND, D_BLOCK, SPAN_BLOCK)
+    bands = _bands(p_y, p_x, i, w, H, W, True, SPAN_BLOCK)  # of the transposed factors
+    dt_first, dt_second = _products(dm_ptr + image, plane, centre, p_y, p_x, bands, i, w, H, W, C,
+                                    channel, real, False, True, BAND, D_BLOCK)
     dx = g * gamma * rstd + x * beta + alpha + dt_first + 2.0 * (x - centre) * dt_second
     tl.store(dx_ptr + image + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
