@@ -284,13 +284,18 @@ def ln_gradient(tok1, tok2, mean_ln, C, n_var):
     return beta, tok1 * (-1.0 / C) - beta * mean_ln
 
 
+#: Each channel parameter's gradient as a multiple of one row of the sums over the tokens (6, C)
+#: of xhat g, g, mu_ln D1, var_ln D2, mu_it D1 and var_it D2 (D1 = -dL/dmu, D2 = -2 dL/dvar):
+#: (row, factor) for the weight, the bias and the ratios' rows lambda_m, kappa_m, lambda_v and
+#: kappa_v (Eq. 4's mixtures). The Triton backend's reduction takes it as it is.
+PARAMETER_SUMS = ((0, 1.0), (1, 1.0), (2, -1.0), (4, -1.0), (3, -0.5), (5, -0.5))
+
+
 def parameter_gradients(sums):
-    """The gradients of weight, bias and the ratios (4, C) from the sums over the tokens (6, C) of
-    xhat g, g, mu_ln D1, var_ln D2, mu_it D1 and var_it D2 (D1 = -dL/dmu, D2 = -2 dL/dvar)."""
-    # rows 2-5 as (lambda_mean, lambda_var) x (ln, it): (mu_ln D1, mu_it D1), (var_ln D2, var_it D2)
-    gates = sums[2:].view(2, 2, -1).transpose(0, 1)
-    ratios = torch.cat([gates[0].neg(), gates[1].mul(-0.5)])
-    return ratios, sums[0].clone(), sums[1].clone()  # not views of one tensor
+    """The gradients of the ratios (4, C), weight and bias (each its own tensor) from the sums over
+    the tokens (6, C) (:data:`PARAMETER_SUMS`)."""
+    weight, bias, *ratios = (sums[row] * factor for row, factor in PARAMETER_SUMS)
+    return torch.stack(ratios), weight, bias
 
 
 def inter_token_statistics(backend, x, p_y, p_x, grid, convention):

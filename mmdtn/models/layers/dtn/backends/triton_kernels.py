@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..function import PARAMETER_SUMS
 from .triton_launch import launch
 
 __all__ = ['sample_centre', 'moments', 'output', 'token_gradients', 'input_gradient',
@@ -439,11 +440,12 @@ def token_gradients(g, x, centre, m_first, m_second, ratios, weight, eps, n_var,
 
 @triton.jit(do_not_specialize=['programs', 'C'])
 def _parameter_gradients_kernel(partial_ptr, ratios_ptr, weight_ptr, bias_ptr, programs, C,
-                                BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+                                SUMS: tl.constexpr, BLOCK_P: tl.constexpr,
+                                BLOCK_C: tl.constexpr):
     """Row ``program_id(1)`` of the programs' sums (programs, 6, C) of xhat g, g, mu_ln D1,
     var_ln D2, mu_it D1, var_it D2, added up over the programs in a fixed order (BLOCK_P at a
-    time) for the channels of block ``program_id(0)``: the gradient of weight, bias or one row of
-    the ratios (as :func:`..function.parameter_gradients`)."""
+    time) for the channels of block ``program_id(0)``, times its factor into the gradient that
+    SUMS (:data:`..function.PARAMETER_SUMS`) takes it for: weight, bias or a row of the ratios."""
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     row = tl.program_id(1)
     total = tl.zeros([BLOCK_C], tl.float32)
@@ -452,13 +454,15 @@ def _parameter_gradients_kernel(partial_ptr, ratios_ptr, weight_ptr, bias_ptr, p
         at = (p[:, None] * 6 + row).to(tl.int64) * C + c[None, :]
         mask = (p < programs)[:, None] & (c < C)[None, :]
         total += tl.sum(tl.load(partial_ptr + at, mask=mask, other=0.0), axis=0)
-    if row == 0:
-        tl.store(weight_ptr + c, total, mask=c < C)
-    elif row == 1:
-        tl.store(bias_ptr + c, total, mask=c < C)
-    else:  # rows 2-5 -> ratios k = 0, 2, 1, 3: lambda_m, 1 - lambda_m: -(mu_ln, mu_it) D1;
-        k = (row - 2) // 2 + (row - 2) % 2 * 2  # lambda_v, 1 - lambda_v: -(var_ln, var_it) D2 / 2
-        tl.store(ratios_ptr + k * C + c, total * tl.where(k < 2, -1.0, -0.5), mask=c < C)
+    for gradient in tl.static_range(len(SUMS)):  # weight, bias, then the ratios' rows
+        if row == SUMS[gradient][0]:
+            value = total * SUMS[gradient][1]
+            if gradient == 0:
+                tl.store(weight_ptr + c, value, mask=c < C)
+            elif gradient == 1:
+                tl.store(bias_ptr + c, value, mask=c < C)
+            else:
+                tl.store(ratios_ptr + (gradient - 2) * C + c, value, mask=c < C)
 
 
 def parameter_gradients(partial):
@@ -474,7 +478,7 @@ def parameter_gradients(partial):
 
 
 def _parameter_gradients_spec():
-    return _parameter_gradients_kernel, dict(BLOCK_P=256, BLOCK_C=32), 4
+    return _parameter_gradients_kernel, dict(SUMS=PARAMETER_SUMS, BLOCK_P=256, BLOCK_C=32), 4
 
 
 @functools.lru_cache(maxsize=None)
