@@ -11,7 +11,8 @@ HERE = osp.dirname(osp.abspath(__file__))
 
 
 def read_requirements(*names):
-    """Requirement lines of requirements/<name>.txt, comments stripped: the one place versions live."""
+    """Requirement lines of requirements/<name>.txt, comments stripped: the one place versions
+    live."""
     reqs = []
     for name in names:
         with open(osp.join(HERE, 'requirements', f'{name}.txt')) as f:
@@ -20,6 +21,14 @@ def read_requirements(*names):
                 if line:
                     reqs.append(line)
     return reqs
+
+
+def read_readme():
+    path = osp.join(HERE, 'README.md')
+    if not osp.exists(path):
+        return ''
+    with open(path) as f:
+        return f.read()
 
 
 def read_version():
@@ -54,8 +63,9 @@ def cpu_kernels():
 setup(
     name='mmdtn',
     version=read_version(),
-    description='Dynamic Token Normalization and Dual PatchNorm backbones for mmdet and mmsegmentation',
-    long_description=open(osp.join(HERE, 'README.md')).read() if osp.exists(osp.join(HERE, 'README.md')) else '',
+    description=('Dynamic Token Normalization and Dual PatchNorm backbones for mmdet and '
+                 'mmsegmentation'),
+    long_description=read_readme(),
     long_description_content_type='text/markdown',
     packages=find_packages(include=['mmdtn', 'mmdtn.*']),
     python_requires='>=3.9',

@@ -1,21 +1,21 @@
 """Safe loading of mmengine / mmdet / mmseg checkpoints with PyTorch's ``weights_only`` unpickler.
 
 Since PyTorch 2.6, ``torch.load`` defaults to ``weights_only=True``: it refuses every global that is
-not allow-listed, so mmengine 0.10.7 fails to ``--resume`` (or ``load_from``) its own checkpoints with
-"Weights only load failed". Importing :mod:`mmdtn` allow-lists exactly the types those checkpoints hold
-and nothing else, keeping ``weights_only`` on:
+not allow-listed, so mmengine 0.10.7 fails to ``--resume`` (or ``load_from``) its own checkpoints
+with "Weights only load failed". Importing :mod:`mmdtn` allow-lists exactly the types those
+checkpoints hold and nothing else, keeping ``weights_only`` on:
 
 * the message hub's ``HistoryBuffer`` and the numpy arrays and scalars logged in it;
-* ``HistoryBuffer``'s statistics methods, which pickle as ``getattr(HistoryBuffer, 'min')``. Allowing
-  the builtin ``getattr`` would let a crafted file reach arbitrary attributes, so ``builtins.getattr``
-  is mapped to :func:`restricted_getattr`, which resolves only those methods;
+* ``HistoryBuffer``'s statistics methods, which pickle as ``getattr(HistoryBuffer, 'min')``.
+  Allowing the builtin ``getattr`` would let a crafted file reach arbitrary attributes, so
+  ``builtins.getattr`` is mapped to :func:`restricted_getattr`, which resolves only those methods;
 * ``argparse.Namespace``, the command line that timm's train.py saves in its checkpoints (``args``),
   so that they load into the backbones as they are. A namespace is rebuilt from its attribute dict,
   whose values the unpickler restricts like any other.
 
-Checkpoints are also read through mmengine's ``CheckpointLoader`` with errors that name the file, and
-URL checkpoints (``http(s)://``, ``torchvision://``, ``open-mmlab://`` ...) are downloaded and then read
-by the same safe path instead of ``torch.hub``'s default unrestricted load.
+Checkpoints are also read through mmengine's ``CheckpointLoader`` with errors that name the file,
+and URL checkpoints (``http(s)://``, ``torchvision://``, ``open-mmlab://`` ...) are downloaded and
+then read by the same safe path instead of ``torch.hub``'s default unrestricted load.
 """
 import argparse
 import os
@@ -62,8 +62,10 @@ def _numpy_globals():
     """
     core = np._core if hasattr(np, '_core') else np.core
     entries = [np.ndarray, np.dtype]
-    # Unpickling a dtype builds an instance of its class (numpy.dtypes.Float64DType, ...): numeric only.
-    entries += sorted({type(np.dtype(code)) for code in '?bBhHiIlLqQefdgFDG'}, key=lambda t: t.__name__)
+    # Unpickling a dtype builds an instance of its class (numpy.dtypes.Float64DType, ...): numeric
+    # only.
+    entries += sorted({type(np.dtype(code)) for code in '?bBhHiIlLqQefdgFDG'},
+                      key=lambda t: t.__name__)
     for mod in ('numpy._core', 'numpy.core'):
         entries += [(core.multiarray._reconstruct, f'{mod}.multiarray._reconstruct'),
                     (core.multiarray.scalar, f'{mod}.multiarray.scalar')]
@@ -83,8 +85,8 @@ def safe_torch_load(filename, map_location=None):
     except pickle.UnpicklingError as err:
         raise CheckpointSafetyError(
             f'refused to load checkpoint {filename!r}: it holds objects outside the types allowed '
-            f'for weights-only loading, so loading it could run arbitrary code. Only load files you '
-            f'trust; the unpickler said: {err}') from err
+            f'for weights-only loading, so loading it could run arbitrary code. Only load files '
+            f'you trust; the unpickler said: {err}') from err
 
 
 def _load_from_local(filename, map_location):

@@ -347,8 +347,10 @@ def test_clear_errors(files, tmp_path, capsys):
 
 
 def test_complexity_of_a_swin_backbone_and_its_twin(files, tmp_path):
-    """A config with only a backbone; the LN twin is mmdet's SwinTransformer (train() returns None)."""
-    result = tool('complexity').run([files['swin_dtn'], '--size', '72', '88', '--out', str(tmp_path)])
+    """A config with only a backbone; the LN twin is mmdet's SwinTransformer
+    (train() returns None)."""
+    result = tool('complexity').run([files['swin_dtn'], '--size', '72', '88',
+                                     '--out', str(tmp_path)])
     rows = {r['role']: r for r in result['rows']}
     assert set(rows) == {'model', 'LN twin'}
     assert len(result['dtn_layers']) == 4 * 2  # blocks x norms
@@ -371,6 +373,7 @@ def test_complexity_and_benchmark_report_the_same_flops(tmp_path):
     assert rows['model']['dtn_flops'] == sum(
         dtn_flops(1, layer['channels'], layer['num_heads'], layer['hw_shape'], layer['pool_size'])
         for layer in result['dtn_layers'])
+
 
 def test_images_follow_the_config_normalisation_and_channel_order():
     from mmengine.config import Config

@@ -50,8 +50,9 @@ def authors_checkpoint(seed=0):
         sd[f'patch_embed{s}.proj.weight'] = rnd(c, c_in, p, p, std=(c_in * p * p)**-0.5)
         sd[f'patch_embed{s}.proj.bias'] = rnd(c, std=0.1)
         sd[f'pos_embed{s}'] = rnd(1, cells + (s == 4), c, std=0.5)  # stage 4: + class token
-        norms = [f'patch_embed{s}.norm'] + [f'block{s}.{j}.{n}' for j in range(depth)
-                                             for n in ('norm1', 'norm2', 'attn.norm')[:2 + (sr > 1)]]
+        norms = [f'patch_embed{s}.norm'] + [
+            f'block{s}.{j}.{n}' for j in range(depth)
+            for n in ('norm1', 'norm2', 'attn.norm')[:2 + (sr > 1)]]
         for key in norms:
             sd[key + '.weight'], sd[key + '.bias'] = 1 + rnd(c, std=0.3), rnd(c, std=0.2)
         for j in range(depth):

@@ -20,7 +20,8 @@ FRUITS = osp.join(osp.dirname(__file__), '..', '..', 'shared', 'data', 'fruits_n
 
 
 def _tiny_retinanet_cfg(work_dir, ann_file, max_epochs):
-    """RetinaNet with a narrow ResNet-18 on 4 real photographs at 128 px: a real mmdet training run."""
+    """RetinaNet with a narrow ResNet-18 on 4 real photographs at 128 px: a real mmdet
+    training run."""
     base = osp.join(str(work_dir) + '_cfg.py')
     with open(base, 'w') as f:
         f.write("_base_ = 'mmdet::retinanet/retinanet_r18_fpn_1x_coco.py'\n")
@@ -44,13 +45,15 @@ def _tiny_retinanet_cfg(work_dir, ann_file, max_epochs):
         sampler=dict(type='DefaultSampler', shuffle=True),
         batch_sampler=dict(type='AspectRatioBatchSampler'),
         dataset=dict(type='CocoDataset', data_root=FRUITS, ann_file=ann_file,
-                     data_prefix=dict(img='images/'), metainfo=dict(classes=('date', 'fig', 'hazelnut')),
+                     data_prefix=dict(img='images/'),
+                     metainfo=dict(classes=('date', 'fig', 'hazelnut')),
                      filter_cfg=dict(filter_empty_gt=True), pipeline=pipeline))
     cfg.val_dataloader = cfg.val_evaluator = cfg.val_cfg = None
     cfg.test_dataloader = cfg.test_evaluator = cfg.test_cfg = None
     cfg.train_cfg = dict(type='EpochBasedTrainLoop', max_epochs=max_epochs, val_interval=100)
     cfg.param_scheduler = [dict(type='MultiStepLR', by_epoch=True, milestones=[1], gamma=0.1)]
-    cfg.optim_wrapper = dict(type='OptimWrapper', optimizer=dict(type='SGD', lr=0.001, momentum=0.9))
+    cfg.optim_wrapper = dict(type='OptimWrapper',
+                             optimizer=dict(type='SGD', lr=0.001, momentum=0.9))
     cfg.default_hooks.checkpoint = dict(type='CheckpointHook', interval=1)
     cfg.default_hooks.logger = dict(type='LoggerHook', interval=1)
     cfg.default_hooks.visualization = dict(type='DetVisualizationHook')
@@ -81,7 +84,8 @@ def test_resume_second_epoch_with_weights_only(tmp_path, four_image_ann):
     assert ckpt.is_file()
     first_state = copy.deepcopy(runner.model.state_dict())
 
-    # The file really holds what made plain weights_only loading fail: HistoryBuffer and its methods.
+    # The file really holds what made plain weights_only loading fail: HistoryBuffer and its
+    # methods.
     allowed = torch.serialization.get_safe_globals()
     torch.serialization.clear_safe_globals()
     try:

@@ -151,7 +151,8 @@ def test_dtn_config_is_its_ln_twin_plus_dtn(path):
     dtn_d, ln_d = copy.deepcopy(dtn_cfg.to_dict()), copy.deepcopy(ln_cfg.to_dict())
     ln_backbone = ln_d['model']['backbone']['type'].split('.')[-1]
     assert dtn_d['model']['backbone']['type'] == ln_backbone + 'DTN'
-    # The paper's initialisation (Algorithm 1); 'layernorm' is the opt-in start from a LN checkpoint.
+    # The paper's initialisation (Algorithm 1); 'layernorm' is the opt-in start from a LN
+    # checkpoint.
     assert dtn_d['model']['backbone'].get('dtn_init', 'paper') == 'paper'
     keys = dtn_d['optim_wrapper']['paramwise_cfg']['custom_keys']
     for k in DTN_KEYS:

@@ -27,7 +27,8 @@ def test_every_module_is_found_in_mmdet_and_mmseg_registries():
 
 
 def test_custom_imports_line_is_enough(tmp_path):
-    """A fresh interpreter that only reads a config with the custom_imports line finds mmdtn's modules."""
+    """A fresh interpreter that only reads a config with the custom_imports line finds mmdtn's
+    modules."""
     names = [cls.__name__ for cls in _registered_classes()]
     cfg = tmp_path / 'cfg.py'
     cfg.write_text("custom_imports = dict(imports=['mmdtn'], allow_failed_imports=False)\n")

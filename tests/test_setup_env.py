@@ -16,8 +16,9 @@ CXX = next(filter(None, map(shutil.which, ('c++', 'g++', 'clang++'))), None)
 
 def run_setup_function(*args):
     """Runs one function of setup_env.sh (sourcing it defines them and nothing else runs)."""
-    return subprocess.run(['bash', '-c', 'source "$1" && shift && "$@"', 'bash', str(SETUP_ENV), *args],
-                          capture_output=True, text=True)
+    return subprocess.run(
+        ['bash', '-c', 'source "$1" && shift && "$@"', 'bash', str(SETUP_ENV), *args],
+        capture_output=True, text=True)
 
 
 def write(path, text):
@@ -48,7 +49,8 @@ def link(root, search):
     out = root / 'linked'
     return out, run_setup_function(
         'link_missing_headers', str(out), search, CXX, '-E', '-x', 'c++',
-        f'-I{root}/torch', f'-I{root}/toolkit', f'-I{out}', str(root / 'probe.cu'), '-o', os.devnull)
+        f'-I{root}/torch', f'-I{root}/toolkit', f'-I{out}', str(root / 'probe.cu'),
+        '-o', os.devnull)
 
 
 def test_links_only_the_headers_the_toolkit_lacks(headers):

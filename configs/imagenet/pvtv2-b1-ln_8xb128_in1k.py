@@ -1,5 +1,5 @@
-# PVTv2-b1 with LayerNorm (mmdet's PyramidVisionTransformerV2) on ImageNet-1k: the PVT recipe and its
-# deviations from mmpretrain's config are in ./_base_/pvt_8xb128_in1k.py.
+# PVTv2-b1 with LayerNorm (mmdet's PyramidVisionTransformerV2) on ImageNet-1k: the PVT recipe and
+# its deviations from mmpretrain's config are in ./_base_/pvt_8xb128_in1k.py.
 _base_ = './_base_/pvt_8xb128_in1k.py'
 model = dict(
     backbone=dict(type='mmdet.PyramidVisionTransformerV2', embed_dims=64, num_layers=[2, 2, 2, 2]),

@@ -61,7 +61,8 @@ class _DTNWeightDecay:
 
 
 class PvtV2DTN(_DTNWeightDecay, PyramidVisionTransformerV2):
-    """timm's ``PyramidVisionTransformerV2`` with DTN; built by ``create_model('pvt_v2_b*_dtn')``."""
+    """timm's ``PyramidVisionTransformerV2`` with DTN; built by
+    ``create_model('pvt_v2_b*_dtn')``."""
 
     stock_model = PyramidVisionTransformerV2
 
@@ -134,19 +135,22 @@ default_cfgs = generate_default_cfgs({
 
 @register_model
 def pvt_v2_b0_dtn(pretrained=False, **kwargs) -> PvtV2DTN:
-    """timm's ``pvt_v2_b0`` with DTN in the blocks of stages 1-3 (heads 4, 4, 5; pooling 4, 2, 1)."""
+    """timm's ``pvt_v2_b0`` with DTN in the blocks of stages 1-3 (heads 4, 4, 5;
+    pooling 4, 2, 1)."""
     return _pvt_v2_dtn('pvt_v2_b0', pretrained, **kwargs)
 
 
 @register_model
 def pvt_v2_b1_dtn(pretrained=False, **kwargs) -> PvtV2DTN:
-    """timm's ``pvt_v2_b1`` with DTN in the blocks of stages 1-3 (heads 4, 4, 5; pooling 4, 2, 1)."""
+    """timm's ``pvt_v2_b1`` with DTN in the blocks of stages 1-3 (heads 4, 4, 5;
+    pooling 4, 2, 1)."""
     return _pvt_v2_dtn('pvt_v2_b1', pretrained, **kwargs)
 
 
 @register_model
 def pvt_v2_b2_dtn(pretrained=False, **kwargs) -> PvtV2DTN:
-    """timm's ``pvt_v2_b2`` with DTN in the blocks of stages 1-3 (heads 4, 4, 5; pooling 4, 2, 1)."""
+    """timm's ``pvt_v2_b2`` with DTN in the blocks of stages 1-3 (heads 4, 4, 5;
+    pooling 4, 2, 1)."""
     return _pvt_v2_dtn('pvt_v2_b2', pretrained, **kwargs)
 
 

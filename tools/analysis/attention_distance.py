@@ -15,7 +15,6 @@ Example::
     python tools/analysis/attention_distance.py configs/retinanet_pvt-t-dtn_fpn_1x_coco.py \\
         ckpt.pth --images my_images/ --compare configs/retinanet_pvt-t-ln_fpn_1x_coco.py ln_ckpt.pth
 """
-import os.path as osp
 from collections import defaultdict
 
 import numpy as np

@@ -15,7 +15,6 @@ Example::
     python tools/analysis/variation_coefficient.py configs/retinanet_pvt-t-dtn_fpn_1x_coco.py \\
         ckpt.pth --images my_images/
 """
-import os.path as osp
 from collections import defaultdict
 
 import numpy as np
