@@ -172,11 +172,12 @@ def test_traffic_without_pooling(backend_setting):
     """Without pooling (PVT-Tiny's stage-3 shape, float16 tokens, on meta tensors) the passes are
     fused. Forward: x read once and y written once, as LayerNorm, plus the positional factors and
     the per-channel parameters. Backward, two passes over the tokens: g and x read and dL/dm
-    written (two float32 values per channel) and the sums for the parameters (per program), then
-    g, x and dL/dm read and dx written; besides them only per-token values and the factors."""
-    C, H, W = 320, 50, 84
-    _, counts, x = traffic_on_meta(C, (H, W), 1, 5)
-    tokens, token_bytes, dm_bytes = x.shape[:2].numel(), C * 2, 2 * C * 4
+    written (two float16 values per channel and a float32 scale per head and moment) and the
+    sums for the parameters (per program), then g, x and dL/dm read and dx written; besides them
+    only per-token values and the factors."""
+    C, H, W, heads = 320, 50, 84, 5
+    _, counts, x = traffic_on_meta(C, (H, W), 1, heads)
+    tokens, token_bytes, dm_bytes = x.shape[:2].numel(), C * 2, 2 * C * 2 + 2 * heads * 4
     forward, backward = counts
     assert set(forward.by_kernel) <= {'triton.parameters', 'triton.fused_output', 'torch'}
     assert forward.by_kernel['triton.fused_output'] / tokens <= 1.02 * 2 * token_bytes
@@ -342,10 +343,11 @@ def test_half_precision_tokens_are_read_directly(triton_dtn, dtype, tol, pool):
 
 @pytest.mark.parametrize('pool', [1, 2])
 def test_half_precision_gradients_between_the_passes_keep_their_range(triton_dtn, pool):
-    """For 16-bit tokens dL/dm passes between the backward passes in float16, each cell's values
-    scaled by their largest: with tokens of standard deviation 1e-2 and dL/dy up to 100, dL/dvar
-    reaches about 1e6, beyond float16's range, while dx stays within it; dx keeps float16's
-    accuracy."""
+    """Without pooling, for 16-bit tokens, dL/dm passes between the fused backward kernels in
+    float16, each token's values of a head and moment divided by the power of two above their
+    largest (with pooling it passes in float32): with tokens of standard deviation 1e-2 and dL/dy
+    up to 100, dL/dvar reaches about 1e6, beyond float16's range (unscaled, dx is nan), while dx
+    stays within it; dx keeps float16's accuracy."""
     norm = randomize(DynamicTokenNorm(32, 4, pool_size=pool)).float().to(DEVICE)
     x = (1e-2 * tokens(2, 6, 7, 32, torch.float32)).to(DEVICE, torch.float16)
     assert max(relative_errors(norm, x, (6, 7), loss_scale=100.0)) < 2e-3

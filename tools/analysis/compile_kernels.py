@@ -31,7 +31,7 @@ from triton.compiler import ASTSource
 
 import mmdtn  # noqa: F401
 from mmdtn import DynamicTokenNorm
-from mmdtn.models.layers.dtn.backends import triton_band, triton_parameters
+from mmdtn.models.layers.dtn.backends import triton_band, triton_fused, triton_parameters
 from mmdtn.models.layers.dtn.backends.triton_kernels import TOKEN_POINTERS, specializations
 
 MODELS = {
@@ -71,6 +71,16 @@ def dtn_layers(model, sizes):
     return layers, grids
 
 
+def pointer_type(name, dtype):
+    """Triton's type of the elements of pointer argument ``name`` for tokens of ``dtype``: the
+    tokens', dL/dm's of the fused passes (:func:`.triton_fused.gradient_dtype`) or float32."""
+    if name in TOKEN_POINTERS:
+        return DTYPES[dtype]
+    if name in triton_fused.GRADIENT_POINTERS:
+        return DTYPES[str(triton_fused.gradient_dtype(getattr(torch, dtype))).split('.')[-1]]
+    return 'fp32'
+
+
 def signature(kernel, constexprs, dtype):
     """Triton's signature of ``kernel``: pointer and scalar types, 'constexpr' for constexprs."""
     sig = {}
@@ -78,7 +88,7 @@ def signature(kernel, constexprs, dtype):
         if name in constexprs:
             sig[name] = 'constexpr'
         elif name.endswith('_ptr'):
-            sig[name] = '*' + (DTYPES[dtype] if name in TOKEN_POINTERS else 'fp32')
+            sig[name] = '*' + pointer_type(name, dtype)
         else:
             sig[name] = 'fp32' if name in FLOAT_ARGUMENTS else 'i32'
     return sig

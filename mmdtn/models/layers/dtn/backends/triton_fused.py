@@ -17,12 +17,18 @@ with S = T = (x - centre, (x - centre)^2) of the tokens; P^h = P_y^h (x) P_x^h, 
 m = P_y u in another order, equal to float32 rounding. The three kernels:
 
     output           y = gamma (x - mu) / sqrt(sigma2 + eps) + beta (Eqs. 4-5, var_it = m_1 - m_0^2)
-    token gradients  with D1 = g gamma rstd and D2 = D1 xhat rstd: dL/dm (float32, stored), the
-                     per-token gradient of Eq. 2, the sums for the weight, the bias and the ratios,
-                     and the gradient of a^h (below); g and x read, dL/dm written
+    token gradients  with D1 = g gamma rstd and D2 = D1 xhat rstd: dL/dm (stored), the per-token
+                     gradient of Eq. 2, the sums for the weight, the bias and the ratios, and the
+                     gradient of a^h (below); g and x read, dL/dm written
     input gradient   dL/dT = P^T dL/dm by the same products with the factors transposed (S =
                      dL/dm); dx = D1 + x beta + alpha + dL/dT_0 + 2 (x - centre) dL/dT_1 (m formed
                      again for rstd); g, x and dL/dm read, dx written; a program per head
+
+dL/dm passes between the backward kernels in float32 for float32 tokens and in float16 for 16-bit
+tokens (:func:`gradient_dtype`): each token's values of a head and moment divided by the power of
+two above their largest (:func:`_store_scaled`), so that float16's range never binds (dL/dvar
+exceeds it where variances are small) and its 11 significant bits hold every value within 2^14
+of its token's largest. That halves the bytes of the largest operand of the backward pass.
 
 The gradients of P_y and P_x are never formed: P = softmax(a . R) by rows (Eq. 6), so the gradient
 of a is linear in them, da = sum_ij dP_ij P_ij (R_ij - Rbar_i) with Rbar_i = sum_j P_ij R_ij, and
@@ -45,11 +51,15 @@ from .triton_band import SPAN_BLOCK, _band, _weights
 from .triton_kernels import _channel_row, _ratio_rows, _standardised
 from .triton_launch import launch
 
-__all__ = ['fuses', 'fused_output', 'fused_backward', 'specializations', 'MAX_HEAD_CHANNELS']
+__all__ = ['fuses', 'fused_output', 'fused_backward', 'specializations', 'gradient_dtype',
+           'MAX_HEAD_CHANNELS', 'GRADIENT_POINTERS']
 
 #: Token columns of the band per step: the inner dimension of the products with P_x (tl.dot's
 #: least, 16).
 BAND = 16
+
+#: Pointer arguments of the fused kernels to dL/dm, of :func:`gradient_dtype`.
+GRADIENT_POINTERS = ('scaled_dm_ptr',)
 
 
 #: Whether the fused passes run at all: ``MMDTN_TRITON_FUSED=0`` runs the staged passes instead
@@ -108,16 +118,47 @@ def _ln_statistics(x_image, i, w, W, C, d, heads, n_var, D_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _source(src_image, plane, offsets, mask, centre, FROM_TOKENS: tl.constexpr):
-    """The two moments of S at ``offsets``: T = (x - centre, (x - centre)^2) from the tokens, or
-    two float32 planes ``plane`` apart; zeros outside ``mask``."""
+def _power_of_two_above(largest):
+    """The least power of two above each of ``largest`` (>= 0, float32), from its exponent bits:
+    exact, within 2^-126 ... 2^126 (inf and nan give 2^126 and stay what they are when divided)."""
+    exponent = (largest.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    return (tl.minimum(tl.maximum(exponent + 1, 1), 253) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store_scaled(dm_image, scales, tokens, valid, offsets, mask, dm):
+    """One moment of dL/dm [TOKENS, D_BLOCK] of ``tokens`` (one head's channels) stored in
+    dm_image's dtype as dm / s, with s per token the power of two above its largest |dL/dm|
+    (float32, at ``scales`` + tokens): in float16 each token's largest value keeps 11 significant
+    bits at any magnitude; in float32 the division is exact."""
+    scale = _power_of_two_above(tl.max(tl.where(mask, tl.abs(dm), 0.0), axis=1))
+    tl.store(dm_image + offsets, (dm * (1.0 / scale)[:, None]).to(dm_image.dtype.element_ty),
+             mask=mask)
+    tl.store(scales + tokens, scale, mask=valid)
+
+
+@triton.jit
+def _load_scaled(dm_image, scales, tokens, valid, offsets, mask):
+    """One moment of dL/dm at ``offsets`` of ``tokens`` as :func:`_store_scaled` stored it, in
+    float32 (zeros outside ``mask``)."""
+    dm = tl.load(dm_image + offsets, mask=mask, other=0.0).to(tl.float32)
+    return dm * tl.load(scales + tokens, mask=valid, other=0.0)[:, None]
+
+
+@triton.jit
+def _source(src_image, plane, scales, scale_plane, tokens, valid, offsets, mask, centre,
+            FROM_TOKENS: tl.constexpr):
+    """The two moments of S at ``offsets`` (of ``tokens``, which are ``valid``): T = (x - centre,
+    (x - centre)^2) from the tokens, or dL/dm from two planes ``plane`` apart and their scales
+    ``scale_plane`` apart (:func:`_load_scaled`); zeros outside ``mask``."""
     if FROM_TOKENS:
         t = tl.load(src_image + offsets, mask=mask, other=0.0).to(tl.float32)
         t = tl.where(mask, t - centre, 0.0)
         return t, t * t
     else:
-        return (tl.load(src_image + offsets, mask=mask, other=0.0),
-                tl.load(src_image + plane + offsets, mask=mask, other=0.0))
+        return (_load_scaled(src_image, scales, tokens, valid, offsets, mask),
+                _load_scaled(src_image + plane, scales + scale_plane, tokens, valid, offsets,
+                             mask))
 
 
 @triton.jit
@@ -130,18 +171,20 @@ def _bands(p_y, p_x, i, w, H, W, TRANSPOSE: tl.constexpr, SPAN_BLOCK: tl.constex
 
 
 @triton.jit
-def _products(src_image, plane, centre, p_y, p_x, bands, i, w, H, W, C, channel, real,
-              FROM_TOKENS: tl.constexpr, TRANSPOSE: tl.constexpr, BAND: tl.constexpr,
-              D_BLOCK: tl.constexpr):
+def _products(src_image, plane, scales, scale_plane, centre, p_y, p_x, bands, i, w, H, W, C,
+              channel, real, FROM_TOKENS: tl.constexpr, TRANSPOSE: tl.constexpr,
+              BAND: tl.constexpr, D_BLOCK: tl.constexpr):
     """(P_y^h (x) P_x^h) S at tokens w of token row i, or with TRANSPOSE the transposed factors',
     over their ``bands`` (:func:`_bands`), for the channels ``channel`` of one head (``real``: the
-    head's own): the two moments, float32 [TOKENS, D_BLOCK]. See the module docstring."""
+    head's own): the two moments, float32 [TOKENS, D_BLOCK]. S: :func:`_source`; see the module
+    docstring."""
     lo_y, hi_y, lo_x, hi_x = bands
     first = tl.zeros([w.shape[0], D_BLOCK], tl.float32)
     second = tl.zeros([w.shape[0], D_BLOCK], tl.float32)
     for start in range(lo_x, hi_x, BAND):
         cols = start + tl.arange(0, BAND)
-        mask = (cols < hi_x)[:, None] & real[None, :]
+        valid = cols < hi_x
+        mask = valid[:, None] & real[None, :]
         v_first = tl.zeros([BAND, D_BLOCK], tl.float32)
         v_second = tl.zeros([BAND, D_BLOCK], tl.float32)
         for r in range(lo_y, hi_y):  # v = sum_r P_y[i, r] S_r
@@ -149,9 +192,10 @@ def _products(src_image, plane, centre, p_y, p_x, bands, i, w, H, W, C, channel,
                 weight_y = tl.load(p_y + r * H + i)
             else:
                 weight_y = tl.load(p_y + i * H + r)
-            s_first, s_second = _source(src_image, plane,
-                                        (r * W + cols)[:, None] * C + channel[None, :], mask,
-                                        centre, FROM_TOKENS)
+            tokens = r * W + cols
+            s_first, s_second = _source(src_image, plane, scales, scale_plane, tokens, valid,
+                                        tokens[:, None] * C + channel[None, :], mask, centre,
+                                        FROM_TOKENS)
             v_first += weight_y * s_first
             v_second += weight_y * s_second
         weights_x = _weights(p_x, w, cols, W, hi_x, TRANSPOSE)  # m = P_x v
@@ -185,8 +229,8 @@ def _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, 
     channel, real, centre = _head(centre_ptr, b, head, C, d, D_BLOCK)
     p_y, p_x = _factors(p_y_ptr, p_x_ptr, head, H, W)
     bands = _bands(p_y, p_x, i, w, H, W, False, SPAN_BLOCK)
-    first, second = _products(x_image, 0, centre, p_y, p_x, bands, i, w, H, W, C, channel, real,
-                              True, False, BAND, D_BLOCK)
+    first, second = _products(x_image, 0, x_image, 0, centre, p_y, p_x, bands, i, w, H, W, C,
+                              channel, real, True, False, BAND, D_BLOCK)
     lam_m, kap_m, lam_v, kap_v = _ratio_rows(ratios_ptr + head * d, C, d, D_BLOCK)
     var_it = tl.maximum(second - first * first, 0.0)
     x, mask, offsets = _head_tokens(x_image, i, w, head, W, C, d, D_BLOCK)
@@ -262,8 +306,10 @@ def _coefficient_sums(x_image, dm_first, dm_second, centre, p_y, p_x, bands, i, 
         v_second = tl.zeros([BAND, D_BLOCK], tl.float32)
         for r in range(lo_y, hi_y):
             weight_y = tl.load(p_y + i * H + r)
-            t_first, t_second = _source(x_image, 0, (r * W + cols)[:, None] * C + channel[None, :],
-                                        mask, centre, True)
+            tokens = r * W + cols
+            t_first, t_second = _source(x_image, 0, x_image, 0, tokens, cols < hi_x,
+                                        tokens[:, None] * C + channel[None, :], mask, centre,
+                                        True)
             v_first += weight_y * t_first
             v_second += weight_y * t_second
             # P dP_y[i, r], dP_y[i, r] = sum_s e_s T_rs (this program's tokens' share)
@@ -289,11 +335,13 @@ def _coefficient_sums(x_image, dm_first, dm_second, centre, p_y, p_x, bands, i, 
 
 @triton.jit(do_not_specialize=['H', 'W', 'C', 'd', 'heads'])
 def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr,
-                                  weight_ptr, dm_ptr, token_ptr, partial_ptr, coef_ptr, H, W, C,
-                                  d, heads, eps, n_var, TOKENS: tl.constexpr, BAND: tl.constexpr,
-                                  D_BLOCK: tl.constexpr, SPAN_BLOCK: tl.constexpr):
-    """For tokens w of token row i of image b (program (b H + i, block)): dL/dm (two float32
-    planes (2, B, N, C)), per token mean_ln, var_ln and the gradient of Eq. 2 as dx = ... + x
+                                  weight_ptr, scaled_dm_ptr, scale_ptr, token_ptr, partial_ptr,
+                                  coef_ptr, H, W, C, d, heads, eps, n_var, TOKENS: tl.constexpr,
+                                  BAND: tl.constexpr, D_BLOCK: tl.constexpr,
+                                  SPAN_BLOCK: tl.constexpr):
+    """For tokens w of token row i of image b (program (b H + i, block)): dL/dm (two planes (2,
+    B, N, C), scaled per token, head and moment: :func:`_store_scaled`; the scales (2, B, heads,
+    N)), per token mean_ln, var_ln and the gradient of Eq. 2 as dx = ... + x
     beta + alpha (``token_ptr``, (B N, 4)), the program's sums of xhat g, g, mu_ln D1, var_ln D2,
     mu_it D1, var_it D2 (6, C) and its share of the gradient of a^h (heads, 3)."""
     row, block = tl.program_id(0), tl.program_id(1)
@@ -301,7 +349,8 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
     w = block * TOKENS + tl.arange(0, TOKENS)
     image = b.to(tl.int64) * H * W * C
     plane = (tl.num_programs(0) // H).to(tl.int64) * H * W * C  # B N C
-    x_image, g_image, dm_image = x_ptr + image, g_ptr + image, dm_ptr + image
+    scale_plane = (tl.num_programs(0) // H) * heads * H * W  # B heads N
+    x_image, g_image, dm_image = x_ptr + image, g_ptr + image, scaled_dm_ptr + image
     program = row * tl.num_programs(1) + block
     partial = partial_ptr + program.to(tl.int64) * 6 * C
     mean_ln, var_ln = _ln_statistics(x_image, i, w, W, C, d, heads, n_var, D_BLOCK)
@@ -322,8 +371,10 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
         # dL/dm_second = dL/dvar_it [var_it > 0], dL/dm_first = dL/dmu_it - 2 m_first dL/dm_second
         dm_second = tl.where(var_it > 0, -0.5 * kap_v * d2, 0.0)
         dm_first = -kap_m * d1 - 2.0 * first * dm_second
-        tl.store(dm_image + offsets, dm_first, mask=mask)
-        tl.store(dm_image + plane + offsets, dm_second, mask=mask)
+        scales = scale_ptr + (b * heads + head) * H * W
+        _store_scaled(dm_image, scales, i * W + w, w < W, offsets, mask, dm_first)
+        _store_scaled(dm_image + plane, scales + scale_plane, i * W + w, w < W, offsets, mask,
+                      dm_second)
         sums = partial + head * d + tl.arange(0, D_BLOCK)
         tl.store(sums, tl.sum(xhat * g, axis=0), mask=real)
         tl.store(sums + C, tl.sum(g, axis=0), mask=real)
@@ -349,8 +400,8 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
 
 @triton.jit(do_not_specialize=['H', 'W', 'C', 'd'])
 def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr,
-                                 weight_ptr, dm_ptr, token_ptr, dx_ptr, H, W, C, d, eps,
-                                 TOKENS: tl.constexpr, BAND: tl.constexpr,
+                                 weight_ptr, scaled_dm_ptr, scale_ptr, token_ptr, dx_ptr, H, W, C,
+                                 d, eps, TOKENS: tl.constexpr, BAND: tl.constexpr,
                                  D_BLOCK: tl.constexpr, SPAN_BLOCK: tl.constexpr):
     """dx of head ``program_id(2)``'s channels of tokens w of token row i of image b (program (b
     H + i, block, head)): D1 + x beta + alpha + dL/dT_0 + 2 (x - centre) dL/dT_1."""
@@ -359,6 +410,8 @@ def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, rat
     w = block * TOKENS + tl.arange(0, TOKENS)
     image = b.to(tl.int64) * H * W * C
     plane = (tl.num_programs(0) // H).to(tl.int64) * H * W * C  # B N C
+    heads = tl.num_programs(2)
+    scale_plane = (tl.num_programs(0) // H) * heads * H * W  # B heads N
     x_image, g_image = x_ptr + image, g_ptr + image
     token = token_ptr + (b.to(tl.int64) * H * W + i * W + w) * 4
     mean_ln = tl.load(token, mask=w < W, other=0.0)[:, None]
@@ -371,10 +424,20 @@ def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, rat
     gamma = _channel_row(weight_ptr + head * d, d, D_BLOCK)
     g, _, _ = _head_tokens(g_image, i, w, head, W, C, d, D_BLOCK)
     bands = _bands(p_y, p_x, i, w, H, W, True, SPAN_BLOCK)  # of the transposed factors
-    dt_first, dt_second = _products(dm_ptr + image, plane, centre, p_y, p_x, bands, i, w, H, W, C,
-                                    channel, real, False, True, BAND, D_BLOCK)
+    scales = scale_ptr + (b * heads + head) * H * W
+    dt_first, dt_second = _products(scaled_dm_ptr + image, plane, scales, scale_plane, centre,
+                                    p_y, p_x, bands, i, w, H, W, C, channel, real, False, True,
+                                    BAND, D_BLOCK)
     dx = g * gamma * rstd + x * beta + alpha + dt_first + 2.0 * (x - centre) * dt_second
     tl.store(dx_ptr + image + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def gradient_dtype(dtype):
+    """The dtype dL/dm passes between the backward kernels in for tokens of ``dtype``: float32
+    for float32 tokens; for 16-bit tokens float16, scaled per token, head and moment
+    (:func:`_store_scaled`): 11 significant bits of every value within 2^14 of its token's
+    largest (more than bfloat16 tokens have), in half float32's bytes."""
+    return torch.float32 if dtype == torch.float32 else torch.float16
 
 
 def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
@@ -387,18 +450,19 @@ def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
                 ratios.contiguous(), weight.contiguous()]
     spec = specializations(grid.d)[1]
     programs = (B * grid.H, -(-grid.W // spec[1]['TOKENS']))
-    dm = x.new_empty(2, B, N, C, dtype=torch.float32)
+    dm = x.new_empty(2, B, N, C, dtype=gradient_dtype(x.dtype))
+    scales = x.new_empty(2, B, grid.heads, N, dtype=torch.float32)
     token = x.new_empty(B * N, 4, dtype=torch.float32)
     partial = x.new_empty(programs[0] * programs[1], 6, C, dtype=torch.float32)
     coefficients = x.new_empty(programs[0] * programs[1], grid.heads, 3, dtype=torch.float32)
     launch('triton.fused_token_gradients', spec, programs, operands,
-           [dm, token, partial, coefficients], *operands, dm, token, partial, coefficients,
-           grid.H, grid.W, C, grid.d, grid.heads, float(eps), float(n_var))
+           [dm, scales, token, partial, coefficients], *operands, dm, scales, token, partial,
+           coefficients, grid.H, grid.W, C, grid.d, grid.heads, float(eps), float(n_var))
     dx = torch.empty_like(x)
     spec = specializations(grid.d)[2]
     programs = (B * grid.H, -(-grid.W // spec[1]['TOKENS']), grid.heads)
-    launch('triton.fused_input_gradient', spec, programs, [*operands, dm, token], [dx],
-           *operands, dm, token, dx, grid.H, grid.W, C, grid.d, float(eps))
+    launch('triton.fused_input_gradient', spec, programs, [*operands, dm, scales, token], [dx],
+           *operands, dm, scales, token, dx, grid.H, grid.W, C, grid.d, float(eps))
     return dx, partial, coefficients
 
 
