@@ -13,13 +13,16 @@ import warnings
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from torch._subclasses.fake_tensor import FakeTensorMode
 from test_dynamic_token_norm import dense_dtn, randomize, tokens
 
 from mmdtn import DynamicTokenNorm, set_dtn_backend
 from mmdtn.models.layers.dtn.backends import select_backend
 from mmdtn.models.layers.dtn.backends import triton as triton_backend
-from mmdtn.models.layers.dtn.backends import triton_band, triton_kernels, triton_parameters
+from mmdtn.models.layers.dtn.backends import (
+    triton_band, triton_fused, triton_kernels, triton_parameters)
 from mmdtn.models.layers.dtn.backends.base import Backend, recording_launches
 from mmdtn.models.layers.dtn.function import TokenMoments
 from mmdtn.models.layers.dtn.gates import channel_ratios
@@ -351,6 +354,48 @@ def test_half_precision_gradients_between_the_passes_keep_their_range(triton_dtn
     norm = randomize(DynamicTokenNorm(32, 4, pool_size=pool)).float().to(DEVICE)
     x = (1e-2 * tokens(2, 6, 7, 32, torch.float32)).to(DEVICE, torch.float16)
     assert max(relative_errors(norm, x, (6, 7), loss_scale=100.0)) < 2e-3
+
+
+@triton.jit
+def _scaled_round_trip_kernel(dm_ptr, stored_ptr, scale_ptr, out_ptr, D: tl.constexpr,
+                              TOKENS: tl.constexpr):
+    tokens = tl.arange(0, TOKENS)
+    offsets = tokens[:, None] * D + tl.arange(0, D)[None, :]
+    mask = offsets < TOKENS * D
+    triton_fused._store_scaled(stored_ptr, scale_ptr, tokens, tokens < TOKENS, offsets, mask,
+                               tl.load(dm_ptr + offsets))
+    tl.debug_barrier()
+    tl.store(out_ptr + offsets, triton_fused._load_scaled(stored_ptr, scale_ptr, tokens,
+                                                          tokens < TOKENS, offsets, mask))
+
+
+@pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16, torch.float32])
+def test_gradients_between_the_fused_passes_scaled_per_token(dtype):
+    """dL/dm as the fused token-gradients kernel stores it and the input-gradient kernel reads it
+    back: for 16-bit tokens in float16, each token's values divided by the power of two above
+    their largest (at most twice it), so a token of values near 1e6 or 1e-6, beyond float16's
+    range, keeps 11 bits of its largest value; tokens of zeros and of subnormal values get 2^-126,
+    inf stays inf. For float32 tokens in float32, unscaled: exact."""
+    largest = torch.tensor([0.0, 1e-40, 1e-6, 1.0, 3.0, 2.0**100, 1e6, float('inf')])
+    values = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    dm = values / values.abs().amax(1, keepdim=True) * largest[:, None]
+    stored = torch.empty(8, 16, dtype=triton_fused.gradient_dtype(dtype))
+    scales = torch.full((8,), -1.0)
+    out = torch.empty_like(dm)
+    dm, stored, scales, out = (t.to(DEVICE) for t in (dm, stored, scales, out))
+    _scaled_round_trip_kernel[(1,)](dm, stored, scales, out, D=16, TOKENS=8)
+    dm, scales, out = dm.cpu(), scales.cpu(), out.cpu()
+    if dtype == torch.float32:
+        assert stored.dtype == torch.float32 and (scales == -1).all()  # no scales
+        assert torch.equal(out, dm)
+        return
+    assert stored.dtype == torch.float16
+    assert torch.equal(scales[:2], torch.full((2,), 2.0**-126))
+    expected = 2.0 ** torch.floor(torch.log2(largest[2:7].double()) + 1)
+    assert torch.equal(scales[2:7].double(), expected)  # powers of two above the largest
+    error = (out[:7] - dm[:7]).abs().amax(1)
+    assert (error <= 2.0**-11 * largest[:7]).all(), error / largest[:7]
+    assert torch.isinf(out[7]).any() and not torch.isnan(out[7]).any()
 
 
 @pytest.mark.parametrize('pool', [1, 2])

@@ -25,10 +25,10 @@ m = P_y u in another order, equal to float32 rounding. The three kernels:
                      again for rstd); g, x and dL/dm read, dx written; a program per head
 
 dL/dm passes between the backward kernels in float32 for float32 tokens and in float16 for 16-bit
-tokens (:func:`gradient_dtype`): each token's values of a head and moment divided by the power of
-two above their largest (:func:`_store_scaled`), so that float16's range never binds (dL/dvar
-exceeds it where variances are small) and its 11 significant bits hold every value within 2^14
-of its token's largest. That halves the bytes of the largest operand of the backward pass.
+tokens (:func:`gradient_dtype`). There each token's values of a head and moment are divided by the
+power of two above their largest (:func:`_store_scaled`), so that float16's range never binds
+(dL/dvar exceeds it where variances are small) and its 11 significant bits hold every value within
+2^14 of its token's largest. That halves the bytes of the largest operand of the backward pass.
 
 The gradients of P_y and P_x are never formed: P = softmax(a . R) by rows (Eq. 6), so the gradient
 of a is linear in them, da = sum_ij dP_ij P_ij (R_ij - Rbar_i) with Rbar_i = sum_j P_ij R_ij, and
@@ -128,13 +128,16 @@ def _power_of_two_above(largest):
 @triton.jit
 def _store_scaled(dm_image, scales, tokens, valid, offsets, mask, dm):
     """One moment of dL/dm [TOKENS, D_BLOCK] of ``tokens`` (one head's channels) stored in
-    dm_image's dtype as dm / s, with s per token the power of two above its largest |dL/dm|
-    (float32, at ``scales`` + tokens): in float16 each token's largest value keeps 11 significant
-    bits at any magnitude; in float32 the division is exact."""
-    scale = _power_of_two_above(tl.max(tl.where(mask, tl.abs(dm), 0.0), axis=1))
-    tl.store(dm_image + offsets, (dm * (1.0 / scale)[:, None]).to(dm_image.dtype.element_ty),
-             mask=mask)
-    tl.store(scales + tokens, scale, mask=valid)
+    dm_image's dtype: float32 as it is; float16 as dm / s, with s per token the power of two above
+    its largest |dL/dm| (float32, at ``scales`` + tokens), so that each token's largest value keeps
+    11 significant bits at any magnitude."""
+    if dm_image.dtype.element_ty == tl.float32:
+        tl.store(dm_image + offsets, dm, mask=mask)
+    else:
+        scale = _power_of_two_above(tl.max(tl.where(mask, tl.abs(dm), 0.0), axis=1))
+        tl.store(dm_image + offsets, (dm * (1.0 / scale)[:, None]).to(dm_image.dtype.element_ty),
+                 mask=mask)
+        tl.store(scales + tokens, scale, mask=valid)
 
 
 @triton.jit
@@ -142,7 +145,9 @@ def _load_scaled(dm_image, scales, tokens, valid, offsets, mask):
     """One moment of dL/dm at ``offsets`` of ``tokens`` as :func:`_store_scaled` stored it, in
     float32 (zeros outside ``mask``)."""
     dm = tl.load(dm_image + offsets, mask=mask, other=0.0).to(tl.float32)
-    return dm * tl.load(scales + tokens, mask=valid, other=0.0)[:, None]
+    if dm_image.dtype.element_ty != tl.float32:
+        dm = dm * tl.load(scales + tokens, mask=valid, other=0.0)[:, None]
+    return dm
 
 
 @triton.jit
@@ -340,7 +345,7 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
                                   BAND: tl.constexpr, D_BLOCK: tl.constexpr,
                                   SPAN_BLOCK: tl.constexpr):
     """For tokens w of token row i of image b (program (b H + i, block)): dL/dm (two planes (2,
-    B, N, C), scaled per token, head and moment: :func:`_store_scaled`; the scales (2, B, heads,
+    B, N, C) as :func:`_store_scaled` stores them; for 16-bit tokens the scales (2, B, heads,
     N)), per token mean_ln, var_ln and the gradient of Eq. 2 as dx = ... + x
     beta + alpha (``token_ptr``, (B N, 4)), the program's sums of xhat g, g, mu_ln D1, var_ln D2,
     mu_it D1, var_it D2 (6, C) and its share of the gradient of a^h (heads, 3)."""
@@ -434,7 +439,7 @@ def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, rat
 
 def gradient_dtype(dtype):
     """The dtype dL/dm passes between the backward kernels in for tokens of ``dtype``: float32
-    for float32 tokens; for 16-bit tokens float16, scaled per token, head and moment
+    for float32 tokens (unscaled); for 16-bit tokens float16, scaled per token, head and moment
     (:func:`_store_scaled`): 11 significant bits of every value within 2^14 of its token's
     largest (more than bfloat16 tokens have), in half float32's bytes."""
     return torch.float32 if dtype == torch.float32 else torch.float16
@@ -451,7 +456,8 @@ def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
     spec = specializations(grid.d)[1]
     programs = (B * grid.H, -(-grid.W // spec[1]['TOKENS']))
     dm = x.new_empty(2, B, N, C, dtype=gradient_dtype(x.dtype))
-    scales = x.new_empty(2, B, grid.heads, N, dtype=torch.float32)
+    scales = x.new_empty(2, B, grid.heads, N if dm.dtype != torch.float32 else 0,
+                         dtype=torch.float32)
     token = x.new_empty(B * N, 4, dtype=torch.float32)
     partial = x.new_empty(programs[0] * programs[1], 6, C, dtype=torch.float32)
     coefficients = x.new_empty(programs[0] * programs[1], grid.heads, 3, dtype=torch.float32)
