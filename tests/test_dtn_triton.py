@@ -175,9 +175,9 @@ def test_traffic_without_pooling(backend_setting):
     """Without pooling (PVT-Tiny's stage-3 shape, float16 tokens, on meta tensors) the passes are
     fused. Forward: x read once and y written once, as LayerNorm, plus the positional factors and
     the per-channel parameters. Backward, two passes over the tokens: g and x read and dL/dm
-    written (two float16 values per channel and a float32 scale per head and moment) and the
-    sums for the parameters (per program), then g, x and dL/dm read and dx written; besides them
-    only per-token values and the factors."""
+    written (two float16 values per channel and a float32 scale per head and moment), then g, x
+    and dL/dm read, dx written and the sums for the parameters (per program); besides them only
+    per-token values and the factors."""
     C, H, W, heads = 320, 50, 84, 5
     _, counts, x = traffic_on_meta(C, (H, W), 1, heads)
     tokens, token_bytes, dm_bytes = x.shape[:2].numel(), C * 2, 2 * C * 2 + 2 * heads * 4
@@ -186,12 +186,12 @@ def test_traffic_without_pooling(backend_setting):
     assert forward.by_kernel['triton.fused_output'] / tokens <= 1.02 * 2 * token_bytes
     assert forward.bytes / tokens <= 1.1 * 2 * token_bytes, forward.by_kernel  # + the centre
     from mmdtn.models.layers.dtn.backends.triton_fused import specializations
-    programs = 2 * H * -(-W // specializations(C // 5)[1][1]['TOKENS'])
+    programs = 2 * H * -(-W // specializations(C // heads)[2][1]['TOKENS'])
     sums = programs * 6 * C * 4 / tokens  # per program, for the weight, bias and ratios
     passes = backward.by_kernel['triton.fused_token_gradients'] / tokens
-    assert 2 * token_bytes + dm_bytes + sums < passes <= 1.03 * (2 * token_bytes + dm_bytes + sums)
+    assert 2 * token_bytes + dm_bytes < passes <= 1.03 * (2 * token_bytes + dm_bytes)
     passes = backward.by_kernel['triton.fused_input_gradient'] / tokens
-    assert 3 * token_bytes + dm_bytes < passes <= 1.03 * (3 * token_bytes + dm_bytes)
+    assert 3 * token_bytes + dm_bytes + sums < passes <= 1.03 * (3 * token_bytes + dm_bytes + sums)
     assert backward.bytes / tokens <= 1.03 * (5 * token_bytes + 2 * dm_bytes + 2 * sums)
     from benchmark_norm import TrafficCounter  # looks inside the custom ops on meta tensors
     norm = DynamicTokenNorm(C, 5).to('meta')

@@ -18,11 +18,13 @@ m = P_y u in another order, equal to float32 rounding. The three kernels:
 
     output           y = gamma (x - mu) / sqrt(sigma2 + eps) + beta (Eqs. 4-5, var_it = m_1 - m_0^2)
     token gradients  with D1 = g gamma rstd and D2 = D1 xhat rstd: dL/dm (stored), the per-token
-                     gradient of Eq. 2, the sums for the weight, the bias and the ratios, and the
-                     gradient of a^h (below); g and x read, dL/dm written
+                     gradient of Eq. 2 and the gradient of a^h (below); g and x read, dL/dm
+                     written
     input gradient   dL/dT = P^T dL/dm by the same products with the factors transposed (S =
                      dL/dm); dx = D1 + x beta + alpha + dL/dT_0 + 2 (x - centre) dL/dT_1 (m formed
-                     again for rstd); g, x and dL/dm read, dx written; a program per head
+                     again for rstd) and the sums for the weight, the bias and the ratios; g, x
+                     and dL/dm read, dx written; a program per head, of up to twice the tokens (the
+                     sums, float32 per program and channel, are written half as often)
 
 dL/dm passes between the backward kernels in float32 for float32 tokens and in float16 for 16-bit
 tokens (:func:`gradient_dtype`). There each token's values of a head and moment are divided by the
@@ -70,14 +72,16 @@ ENABLED = os.environ.get('MMDTN_TRITON_FUSED', '1') != '0'
 #: with every tile tried. Wider heads run the staged passes.
 MAX_HEAD_CHANNELS = 64
 #: (tokens of a token row per program, warps) by kernel and head width (channels, padded to 32 or
-#: 64): without spills on sm_80 and sm_90 in every dtype (``compile_kernels.py``); of 16 or 32
-#: tokens with 4 or 8 warps, ptxas spilled 16 to 1500 bytes with the others for some dtype or
-#: architecture. The tokens are the rows of P_x in one tl.dot (at least 16). Not yet timed on a
-#: GPU.
+#: 64): without spills on sm_80 and sm_90 in every dtype (``compile_kernels.py``). When they were
+#: chosen, of 16 or 32 tokens with 4 or 8 warps, ptxas spilled 16 to 1500 bytes with the others
+#: for some dtype or architecture. The input gradient, which forms the parameter sums, takes 32
+#: tokens for both widths: it writes them half as often per token, and with a program per head its
+#: programs stay many. The tokens are the rows of P_x in one tl.dot (at least 16). Not yet timed
+#: on a GPU.
 TILES = {
     'output': {32: (16, 8), 64: (32, 8)},
     'token_gradients': {32: (16, 4), 64: (16, 8)},
-    'input_gradient': {32: (16, 4), 64: (32, 4)},
+    'input_gradient': {32: (32, 4), 64: (32, 4)},
 }
 
 
@@ -340,15 +344,14 @@ def _coefficient_sums(x_image, dm_first, dm_second, centre, p_y, p_x, bands, i, 
 
 @triton.jit(do_not_specialize=['H', 'W', 'C', 'd', 'heads'])
 def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr,
-                                  weight_ptr, scaled_dm_ptr, scale_ptr, token_ptr, partial_ptr,
-                                  coef_ptr, H, W, C, d, heads, eps, n_var, TOKENS: tl.constexpr,
+                                  weight_ptr, scaled_dm_ptr, scale_ptr, token_ptr, coef_ptr, H, W,
+                                  C, d, heads, eps, n_var, TOKENS: tl.constexpr,
                                   BAND: tl.constexpr, D_BLOCK: tl.constexpr,
                                   SPAN_BLOCK: tl.constexpr):
     """For tokens w of token row i of image b (program (b H + i, block)): dL/dm (two planes (2,
     B, N, C) as :func:`_store_scaled` stores them; for 16-bit tokens the scales (2, B, heads,
-    N)), per token mean_ln, var_ln and the gradient of Eq. 2 as dx = ... + x
-    beta + alpha (``token_ptr``, (B N, 4)), the program's sums of xhat g, g, mu_ln D1, var_ln D2,
-    mu_it D1, var_it D2 (6, C) and its share of the gradient of a^h (heads, 3)."""
+    N)), per token mean_ln, var_ln and the gradient of Eq. 2 as dx = ... + x beta + alpha
+    (``token_ptr``, (B N, 4)) and the program's share of the gradient of a^h (heads, 3)."""
     row, block = tl.program_id(0), tl.program_id(1)
     b, i = row // H, row % H
     w = block * TOKENS + tl.arange(0, TOKENS)
@@ -357,7 +360,6 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
     scale_plane = (tl.num_programs(0) // H) * heads * H * W  # B heads N
     x_image, g_image, dm_image = x_ptr + image, g_ptr + image, scaled_dm_ptr + image
     program = row * tl.num_programs(1) + block
-    partial = partial_ptr + program.to(tl.int64) * 6 * C
     mean_ln, var_ln = _ln_statistics(x_image, i, w, W, C, d, heads, n_var, D_BLOCK)
     tok1 = tl.zeros([TOKENS], tl.float32)  # sum_c D1 lambda_m
     tok2 = tl.zeros([TOKENS], tl.float32)  # sum_c D2 lambda_v
@@ -368,7 +370,6 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
              mean_ln, var_ln, eps, BAND, D_BLOCK, SPAN_BLOCK)
         gamma = _channel_row(weight_ptr + head * d, d, D_BLOCK)
         g, _, _ = _head_tokens(g_image, i, w, head, W, C, d, D_BLOCK)
-        mean_it = first + centre
         d1 = g * gamma * rstd
         d2 = d1 * xhat * rstd
         tok1 += tl.sum(d1 * lam_m, axis=1)
@@ -380,13 +381,6 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
         _store_scaled(dm_image, scales, i * W + w, w < W, offsets, mask, dm_first)
         _store_scaled(dm_image + plane, scales + scale_plane, i * W + w, w < W, offsets, mask,
                       dm_second)
-        sums = partial + head * d + tl.arange(0, D_BLOCK)
-        tl.store(sums, tl.sum(xhat * g, axis=0), mask=real)
-        tl.store(sums + C, tl.sum(g, axis=0), mask=real)
-        tl.store(sums + 2 * C, tl.sum(mean_ln * d1, axis=0), mask=real)
-        tl.store(sums + 3 * C, tl.sum(var_ln * d2, axis=0), mask=real)
-        tl.store(sums + 4 * C, tl.sum(mean_it * d1, axis=0), mask=real)
-        tl.store(sums + 5 * C, tl.sum(var_it * d2, axis=0), mask=real)
         da1, da2, da3 = _coefficient_sums(x_image, dm_first, dm_second, centre, p_y, p_x, bands,
                                           i, w, H, W, C, channel, real, BAND, D_BLOCK)
         coef = coef_ptr + (program * heads + head) * 3
@@ -405,11 +399,14 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
 
 @triton.jit(do_not_specialize=['H', 'W', 'C', 'd'])
 def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr,
-                                 weight_ptr, scaled_dm_ptr, scale_ptr, token_ptr, dx_ptr, H, W, C,
-                                 d, eps, TOKENS: tl.constexpr, BAND: tl.constexpr,
-                                 D_BLOCK: tl.constexpr, SPAN_BLOCK: tl.constexpr):
+                                 weight_ptr, scaled_dm_ptr, scale_ptr, token_ptr, dx_ptr,
+                                 partial_ptr, H, W, C, d, eps, TOKENS: tl.constexpr,
+                                 BAND: tl.constexpr, D_BLOCK: tl.constexpr,
+                                 SPAN_BLOCK: tl.constexpr):
     """dx of head ``program_id(2)``'s channels of tokens w of token row i of image b (program (b
-    H + i, block, head)): D1 + x beta + alpha + dL/dT_0 + 2 (x - centre) dL/dT_1."""
+    H + i, block, head)): D1 + x beta + alpha + dL/dT_0 + 2 (x - centre) dL/dT_1; and the sums
+    of xhat g, g, mu_ln D1, var_ln D2, mu_it D1, var_it D2 over the tokens, for those channels of
+    the sums (6, C) of program (b H + i, block)."""
     row, block, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, i = row // H, row % H
     w = block * TOKENS + tl.arange(0, TOKENS)
@@ -423,17 +420,26 @@ def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, rat
     var_ln = tl.load(token + 1, mask=w < W, other=0.0)[:, None]
     beta = tl.load(token + 2, mask=w < W, other=0.0)[:, None]
     alpha = tl.load(token + 3, mask=w < W, other=0.0)[:, None]
-    x, mask, offsets, channel, real, centre, p_y, p_x, _, _, _, _, _, _, _, rstd, _ = \
+    x, mask, offsets, channel, real, centre, p_y, p_x, _, first, var_it, _, _, _, _, rstd, xhat = \
         _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, w, head, H,
                            W, C, d, mean_ln, var_ln, eps, BAND, D_BLOCK, SPAN_BLOCK)
     gamma = _channel_row(weight_ptr + head * d, d, D_BLOCK)
     g, _, _ = _head_tokens(g_image, i, w, head, W, C, d, D_BLOCK)
+    d1 = g * gamma * rstd
+    d2 = d1 * xhat * rstd
+    sums = partial_ptr + (row * tl.num_programs(1) + block).to(tl.int64) * 6 * C + channel
+    tl.store(sums, tl.sum(xhat * g, axis=0), mask=real)
+    tl.store(sums + C, tl.sum(g, axis=0), mask=real)
+    tl.store(sums + 2 * C, tl.sum(mean_ln * d1, axis=0), mask=real)
+    tl.store(sums + 3 * C, tl.sum(var_ln * d2, axis=0), mask=real)
+    tl.store(sums + 4 * C, tl.sum((first + centre) * d1, axis=0), mask=real)
+    tl.store(sums + 5 * C, tl.sum(var_it * d2, axis=0), mask=real)
     bands = _bands(p_y, p_x, i, w, H, W, True, SPAN_BLOCK)  # of the transposed factors
     scales = scale_ptr + (b * heads + head) * H * W
     dt_first, dt_second = _products(scaled_dm_ptr + image, plane, scales, scale_plane, centre,
                                     p_y, p_x, bands, i, w, H, W, C, channel, real, False, True,
                                     BAND, D_BLOCK)
-    dx = g * gamma * rstd + x * beta + alpha + dt_first + 2.0 * (x - centre) * dt_second
+    dx = d1 + x * beta + alpha + dt_first + 2.0 * (x - centre) * dt_second
     tl.store(dx_ptr + image + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -446,10 +452,10 @@ def gradient_dtype(dtype):
 
 
 def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
-    """dx (x's shape and dtype), the programs' sums (programs, 6, C) for the weight, the bias and
-    the ratios (as :func:`.triton_kernels.token_gradients`') and their shares (programs, heads, 3)
-    of the gradient of a^h, from g and x (B, N, C) contiguous and the forward pass's operands:
-    two launches."""
+    """dx (x's shape and dtype), the input-gradient programs' sums (programs, 6, C) for the weight,
+    the bias and the ratios (as :func:`.triton_kernels.token_gradients`') and the token-gradient
+    programs' shares (programs, heads, 3) of the gradient of a^h, from g and x (B, N, C)
+    contiguous and the forward pass's operands: two launches."""
     B, N, C = x.shape
     operands = [x, g, centre.contiguous(), p_y.contiguous(), p_x.contiguous(),
                 ratios.contiguous(), weight.contiguous()]
@@ -459,16 +465,17 @@ def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
     scales = x.new_empty(2, B, grid.heads, N if dm.dtype != torch.float32 else 0,
                          dtype=torch.float32)
     token = x.new_empty(B * N, 4, dtype=torch.float32)
-    partial = x.new_empty(programs[0] * programs[1], 6, C, dtype=torch.float32)
     coefficients = x.new_empty(programs[0] * programs[1], grid.heads, 3, dtype=torch.float32)
     launch('triton.fused_token_gradients', spec, programs, operands,
-           [dm, scales, token, partial, coefficients], *operands, dm, scales, token, partial,
-           coefficients, grid.H, grid.W, C, grid.d, grid.heads, float(eps), float(n_var))
+           [dm, scales, token, coefficients], *operands, dm, scales, token, coefficients, grid.H,
+           grid.W, C, grid.d, grid.heads, float(eps), float(n_var))
     dx = torch.empty_like(x)
     spec = specializations(grid.d)[2]
     programs = (B * grid.H, -(-grid.W // spec[1]['TOKENS']), grid.heads)
-    launch('triton.fused_input_gradient', spec, programs, [*operands, dm, scales, token], [dx],
-           *operands, dm, scales, token, dx, grid.H, grid.W, C, grid.d, float(eps))
+    partial = x.new_empty(programs[0] * programs[1], 6, C, dtype=torch.float32)
+    launch('triton.fused_input_gradient', spec, programs, [*operands, dm, scales, token],
+           [dx, partial], *operands, dm, scales, token, dx, partial, grid.H, grid.W, C, grid.d,
+           float(eps))
     return dx, partial, coefficients
 
 
