@@ -123,10 +123,13 @@ def _ln_statistics(x_image, i, w, W, C, d, heads, n_var, D_BLOCK: tl.constexpr):
 
 @triton.jit
 def _power_of_two_above(largest):
-    """The least power of two above each of ``largest`` (>= 0, float32), from its exponent bits:
-    exact, within 2^-126 ... 2^126 (inf and nan give 2^126 and stay what they are when divided)."""
+    """The least power of two above each of ``largest`` (>= 0, float32) and its inverse, both
+    from the exponent bits: exact, within 2^-126 ... 2^126 (inf and nan give 2^126 and stay what
+    they are when scaled)."""
     exponent = (largest.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    return (tl.minimum(tl.maximum(exponent + 1, 1), 253) << 23).to(tl.float32, bitcast=True)
+    biased = tl.minimum(tl.maximum(exponent + 1, 1), 253)  # of the power; 254 - biased: inverse's
+    return ((biased << 23).to(tl.float32, bitcast=True),
+            ((254 - biased) << 23).to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -138,8 +141,8 @@ def _store_scaled(dm_image, scales, tokens, valid, offsets, mask, dm):
     if dm_image.dtype.element_ty == tl.float32:
         tl.store(dm_image + offsets, dm, mask=mask)
     else:
-        scale = _power_of_two_above(tl.max(tl.where(mask, tl.abs(dm), 0.0), axis=1))
-        tl.store(dm_image + offsets, (dm * (1.0 / scale)[:, None]).to(dm_image.dtype.element_ty),
+        scale, inverse = _power_of_two_above(tl.max(tl.where(mask, tl.abs(dm), 0.0), axis=1))
+        tl.store(dm_image + offsets, (dm * inverse[:, None]).to(dm_image.dtype.element_ty),
                  mask=mask)
         tl.store(scales + tokens, scale, mask=valid)
 
