@@ -110,6 +110,24 @@ def test_without_pooling_fused_or_staged(triton_dtn, monkeypatch, C, heads, hw, 
     assert max(relative_errors(norm, x, hw)) < 1e-5
 
 
+@pytest.mark.parametrize('programs,rows', [(1, 7), (8, 3)])
+def test_fused_input_gradient_programs_of_several_token_rows(triton_dtn, monkeypatch, programs,
+                                                             rows):
+    """Where a program per token row would make more than PROGRAMS input-gradient programs, each
+    takes several token rows and writes the parameter sums once for all of them: here 28 programs
+    of a row (7 rows, batch 2, 2 heads) become programs of all 7 rows, or of 3, 3 and 1. Forward
+    and every gradient equal the dense reference to float32 rounding."""
+    from mmdtn.models.layers.dtn.backends import triton_fused
+    monkeypatch.setattr(triton_fused, 'PROGRAMS', programs)
+    assert triton_fused.rows_per_program(28, 7) == rows
+    norm = randomize(DynamicTokenNorm(8, 2, eps=1e-5)).float().to(DEVICE)
+    x = tokens(2, 7, 20, 8, torch.float32).to(DEVICE)
+    with recording_launches() as launches:
+        assert max(relative_errors(norm, x, (7, 20))) < 1e-5
+    sums = [k.written for k in launches if k.name == 'triton.fused_input_gradient']
+    assert sums and set(sums) == {2 * 7 * 20 * 8 * 4 + 2 * -(-7 // rows) * 6 * 8 * 4}  # dx, sums
+
+
 def outputs_and_gradients(norm, x, hw):
     x = x.detach().requires_grad_()
     y = norm(x, hw)
@@ -175,18 +193,21 @@ def test_traffic_without_pooling(backend_setting):
     """Without pooling (PVT-Tiny's stage-3 shape, float16 tokens, on meta tensors) the passes are
     fused. Forward: x read once and y written once, as LayerNorm, plus the positional factors and
     the per-channel parameters. Backward, two passes over the tokens: g and x read and dL/dm
-    written (two float16 values per channel and a float32 scale per head and moment), then g, x
-    and dL/dm read, dx written and the sums for the parameters (per program); besides them only
-    per-token values and the factors."""
+    written (two float16 values per channel and a byte, the exponent of a scale, per head and
+    moment), then g, x and dL/dm read, dx written and the sums for the parameters (per program of
+    several token rows); besides them only per-token values and the factors."""
     C, H, W, heads = 320, 50, 84, 5
     _, counts, x = traffic_on_meta(C, (H, W), 1, heads)
-    tokens, token_bytes, dm_bytes = x.shape[:2].numel(), C * 2, 2 * C * 2 + 2 * heads * 4
+    tokens, token_bytes, dm_bytes = x.shape[:2].numel(), C * 2, 2 * C * 2 + 2 * heads
     forward, backward = counts
     assert set(forward.by_kernel) <= {'triton.parameters', 'triton.fused_output', 'torch'}
     assert forward.by_kernel['triton.fused_output'] / tokens <= 1.02 * 2 * token_bytes
     assert forward.bytes / tokens <= 1.1 * 2 * token_bytes, forward.by_kernel  # + the centre
-    from mmdtn.models.layers.dtn.backends.triton_fused import specializations
-    programs = 2 * H * -(-W // specializations(C // heads)[2][1]['TOKENS'])
+    from mmdtn.models.layers.dtn.backends.triton_fused import rows_per_program, specializations
+    blocks = -(-W // specializations(C // heads)[2][1]['TOKENS'])
+    rows = rows_per_program(2 * H * blocks * heads, H)
+    assert rows == 2  # PVT-Tiny's stage 3 at batch 2: 1500 programs of a token row
+    programs = 2 * -(-H // rows) * blocks
     sums = programs * 6 * C * 4 / tokens  # per program, for the weight, bias and ratios
     passes = backward.by_kernel['triton.fused_token_gradients'] / tokens
     assert 2 * token_bytes + dm_bytes < passes <= 1.03 * (2 * token_bytes + dm_bytes)
@@ -357,15 +378,15 @@ def test_half_precision_gradients_between_the_passes_keep_their_range(triton_dtn
 
 
 @triton.jit
-def _scaled_round_trip_kernel(dm_ptr, stored_ptr, scale_ptr, out_ptr, D: tl.constexpr,
+def _scaled_round_trip_kernel(dm_ptr, stored_ptr, exponent_ptr, out_ptr, D: tl.constexpr,
                               TOKENS: tl.constexpr):
     tokens = tl.arange(0, TOKENS)
     offsets = tokens[:, None] * D + tl.arange(0, D)[None, :]
     mask = offsets < TOKENS * D
-    triton_fused._store_scaled(stored_ptr, scale_ptr, tokens, tokens < TOKENS, offsets, mask,
+    triton_fused._store_scaled(stored_ptr, exponent_ptr, tokens, tokens < TOKENS, offsets, mask,
                                tl.load(dm_ptr + offsets))
     tl.debug_barrier()
-    tl.store(out_ptr + offsets, triton_fused._load_scaled(stored_ptr, scale_ptr, tokens,
+    tl.store(out_ptr + offsets, triton_fused._load_scaled(stored_ptr, exponent_ptr, tokens,
                                                           tokens < TOKENS, offsets, mask))
 
 
@@ -373,26 +394,29 @@ def _scaled_round_trip_kernel(dm_ptr, stored_ptr, scale_ptr, out_ptr, D: tl.cons
 def test_gradients_between_the_fused_passes_scaled_per_token(dtype):
     """dL/dm as the fused token-gradients kernel stores it and the input-gradient kernel reads it
     back: for 16-bit tokens in float16, each token's values divided by the power of two above
-    their largest (at most twice it), so a token of values near 1e6 or 1e-6, beyond float16's
-    range, keeps 11 bits of its largest value; tokens of zeros and of subnormal values get 2^-126,
-    inf stays inf. For float32 tokens in float32, unscaled: exact."""
+    their largest (at most twice it; its biased exponent stored in a byte), so a token of values
+    near 1e6 or 1e-6, beyond float16's range, keeps 11 bits of its largest value; tokens of zeros
+    and of subnormal values get 2^-126, inf stays inf. For float32 tokens in float32, unscaled:
+    exact."""
     largest = torch.tensor([0.0, 1e-40, 1e-6, 1.0, 3.0, 2.0**100, 1e6, float('inf')])
     values = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
     dm = values / values.abs().amax(1, keepdim=True) * largest[:, None]
     stored = torch.empty(8, 16, dtype=triton_fused.gradient_dtype(dtype))
-    scales = torch.full((8,), -1.0)
+    exponents = torch.full((8,), 255, dtype=torch.uint8)
     out = torch.empty_like(dm)
-    dm, stored, scales, out = (t.to(DEVICE) for t in (dm, stored, scales, out))
-    _scaled_round_trip_kernel[(1,)](dm, stored, scales, out, D=16, TOKENS=8)
-    dm, scales, out = dm.cpu(), scales.cpu(), out.cpu()
+    dm, stored, exponents, out = (t.to(DEVICE) for t in (dm, stored, exponents, out))
+    _scaled_round_trip_kernel[(1,)](dm, stored, exponents, out, D=16, TOKENS=8)
+    dm, exponents, out = dm.cpu(), exponents.cpu(), out.cpu()
     if dtype == torch.float32:
-        assert stored.dtype == torch.float32 and (scales == -1).all()  # no scales
+        assert stored.dtype == torch.float32 and (exponents == 255).all()  # no scales
         assert torch.equal(out, dm)
         return
     assert stored.dtype == torch.float16
-    assert torch.equal(scales[:2], torch.full((2,), 2.0**-126))
+    scales = 2.0 ** (exponents.double() - 127)
+    assert torch.equal(scales[:2], torch.full((2,), 2.0**-126, dtype=torch.float64))
     expected = 2.0 ** torch.floor(torch.log2(largest[2:7].double()) + 1)
-    assert torch.equal(scales[2:7].double(), expected)  # powers of two above the largest
+    assert torch.equal(scales[2:7], expected)  # powers of two above the largest
+    assert exponents[7] == 253
     error = (out[:7] - dm[:7]).abs().amax(1)
     assert (error <= 2.0**-11 * largest[:7]).all(), error / largest[:7]
     assert torch.isinf(out[7]).any() and not torch.isnan(out[7]).any()

@@ -73,9 +73,12 @@ def dtn_layers(model, sizes):
 
 def pointer_type(name, dtype):
     """Triton's type of the elements of pointer argument ``name`` for tokens of ``dtype``: the
-    tokens', dL/dm's of the fused passes (:func:`.triton_fused.gradient_dtype`) or float32."""
+    tokens', dL/dm's of the fused passes (:func:`.triton_fused.gradient_dtype`), uint8 for its
+    scales' exponents, or float32."""
     if name in TOKEN_POINTERS:
         return DTYPES[dtype]
+    if name in triton_fused.EXPONENT_POINTERS:
+        return 'u8'
     if name in triton_fused.GRADIENT_POINTERS:
         return DTYPES[str(triton_fused.gradient_dtype(getattr(torch, dtype))).split('.')[-1]]
     return 'fp32'

@@ -23,14 +23,16 @@ m = P_y u in another order, equal to float32 rounding. The three kernels:
     input gradient   dL/dT = P^T dL/dm by the same products with the factors transposed (S =
                      dL/dm); dx = D1 + x beta + alpha + dL/dT_0 + 2 (x - centre) dL/dT_1 (m formed
                      again for rstd) and the sums for the weight, the bias and the ratios; g, x
-                     and dL/dm read, dx written; a program per head, of up to twice the tokens (the
-                     sums, float32 per program and channel, are written half as often)
+                     and dL/dm read, dx written; a program per head, of up to twice the tokens and
+                     of several token rows where there are many programs (:data:`PROGRAMS`): the
+                     sums, float32 per program and channel, are written once for all of them
 
 dL/dm passes between the backward kernels in float32 for float32 tokens and in float16 for 16-bit
 tokens (:func:`gradient_dtype`). There each token's values of a head and moment are divided by the
-power of two above their largest (:func:`_store_scaled`), so that float16's range never binds
-(dL/dvar exceeds it where variances are small) and its 11 significant bits hold every value within
-2^14 of its token's largest. That halves the bytes of the largest operand of the backward pass.
+power of two above their largest (:func:`_store_scaled`; its exponent is stored, a byte), so that
+float16's range never binds (dL/dvar exceeds it where variances are small) and its 11 significant
+bits hold every value within 2^14 of its token's largest. That halves the bytes of the largest
+operand of the backward pass.
 
 The gradients of P_y and P_x are never formed: P = softmax(a . R) by rows (Eq. 6), so the gradient
 of a is linear in them, da = sum_ij dP_ij P_ij (R_ij - Rbar_i) with Rbar_i = sum_j P_ij R_ij, and
@@ -54,14 +56,17 @@ from .triton_kernels import _channel_row, _ratio_rows, _standardised
 from .triton_launch import launch
 
 __all__ = ['fuses', 'fused_output', 'fused_backward', 'specializations', 'gradient_dtype',
-           'MAX_HEAD_CHANNELS', 'GRADIENT_POINTERS']
+           'MAX_HEAD_CHANNELS', 'GRADIENT_POINTERS', 'EXPONENT_POINTERS', 'PROGRAMS',
+           'rows_per_program']
 
 #: Token columns of the band per step: the inner dimension of the products with P_x (tl.dot's
 #: least, 16).
 BAND = 16
 
-#: Pointer arguments of the fused kernels to dL/dm, of :func:`gradient_dtype`.
+#: Pointer arguments of the fused kernels to dL/dm, of :func:`gradient_dtype`, and to the
+#: exponents of its scales (uint8).
 GRADIENT_POINTERS = ('scaled_dm_ptr',)
+EXPONENT_POINTERS = ('exponent_ptr',)
 
 
 #: Whether the fused passes run at all: ``MMDTN_TRITON_FUSED=0`` runs the staged passes instead
@@ -76,13 +81,21 @@ MAX_HEAD_CHANNELS = 64
 #: chosen, of 16 or 32 tokens with 4 or 8 warps, ptxas spilled 16 to 1500 bytes with the others
 #: for some dtype or architecture. The input gradient, which forms the parameter sums, takes 32
 #: tokens for both widths: it writes them half as often per token, and with a program per head its
-#: programs stay many. The tokens are the rows of P_x in one tl.dot (at least 16). Not yet timed
-#: on a GPU.
+#: programs stay many; over several token rows (:data:`PROGRAMS`) it holds the sums across them,
+#: and for heads of 64 channels spilled 136-552 bytes with 4 warps (none with 8). The tokens are
+#: the rows of P_x in one tl.dot (at least 16). Not yet timed on a GPU.
 TILES = {
     'output': {32: (16, 8), 64: (32, 8)},
     'token_gradients': {32: (16, 4), 64: (16, 8)},
-    'input_gradient': {32: (32, 4), 64: (32, 4)},
+    'input_gradient': {32: (32, 4), 64: (32, 8)},
 }
+
+#: The input-gradient programs a launch keeps at least where it can: about 4 per SM of an H100's
+#: or H200's 132, which hold 8 warps of up to 255 registers a thread each (2 programs of 4 warps,
+#: 1 of 8; :data:`TILES`). Where a program per token row makes more, each program takes several
+#: rows (:func:`rows_per_program`) and writes the parameter sums (6 float32 values per channel)
+#: once for all of them. Not yet timed on a GPU.
+PROGRAMS = 512
 
 
 def fuses(pool, d):
@@ -122,55 +135,62 @@ def _ln_statistics(x_image, i, w, W, C, d, heads, n_var, D_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _power_of_two_above(largest):
-    """The least power of two above each of ``largest`` (>= 0, float32) and its inverse, both
-    from the exponent bits: exact, within 2^-126 ... 2^126 (inf and nan give 2^126 and stay what
-    they are when scaled)."""
+def _exponent_above(largest):
+    """The biased exponent (of float32, 1 ... 253) of the least power of two above each of
+    ``largest`` (>= 0, float32), from its exponent bits: 2^-126 ... 2^126 (inf and nan give 2^126
+    and stay what they are when scaled)."""
     exponent = (largest.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    biased = tl.minimum(tl.maximum(exponent + 1, 1), 253)  # of the power; 254 - biased: inverse's
-    return ((biased << 23).to(tl.float32, bitcast=True),
-            ((254 - biased) << 23).to(tl.float32, bitcast=True))
+    return tl.minimum(tl.maximum(exponent + 1, 1), 253)
 
 
 @triton.jit
-def _store_scaled(dm_image, scales, tokens, valid, offsets, mask, dm):
+def _power_of_two(biased):
+    """2^(biased - 127) for biased exponents 1 ... 254, exact, from the exponent bits."""
+    return (biased << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store_scaled(dm_image, exponents, tokens, valid, offsets, mask, dm):
     """One moment of dL/dm [TOKENS, D_BLOCK] of ``tokens`` (one head's channels) stored in
     dm_image's dtype: float32 as it is; float16 as dm / s, with s per token the power of two above
-    its largest |dL/dm| (float32, at ``scales`` + tokens), so that each token's largest value keeps
-    11 significant bits at any magnitude."""
+    its largest |dL/dm| (its biased exponent, one byte, at ``exponents`` + tokens), so that each
+    token's largest value keeps 11 significant bits at any magnitude. Scaling by 1 / s = 2^(127 -
+    biased) is exact and needs no division."""
     if dm_image.dtype.element_ty == tl.float32:
         tl.store(dm_image + offsets, dm, mask=mask)
     else:
-        scale, inverse = _power_of_two_above(tl.max(tl.where(mask, tl.abs(dm), 0.0), axis=1))
-        tl.store(dm_image + offsets, (dm * inverse[:, None]).to(dm_image.dtype.element_ty),
+        biased = _exponent_above(tl.max(tl.where(mask, tl.abs(dm), 0.0), axis=1))
+        tl.store(dm_image + offsets,
+                 (dm * _power_of_two(254 - biased)[:, None]).to(dm_image.dtype.element_ty),
                  mask=mask)
-        tl.store(scales + tokens, scale, mask=valid)
+        tl.store(exponents + tokens, biased.to(tl.uint8), mask=valid)
 
 
 @triton.jit
-def _load_scaled(dm_image, scales, tokens, valid, offsets, mask):
+def _load_scaled(dm_image, exponents, tokens, valid, offsets, mask):
     """One moment of dL/dm at ``offsets`` of ``tokens`` as :func:`_store_scaled` stored it, in
     float32 (zeros outside ``mask``)."""
     dm = tl.load(dm_image + offsets, mask=mask, other=0.0).to(tl.float32)
     if dm_image.dtype.element_ty != tl.float32:
-        dm = dm * tl.load(scales + tokens, mask=valid, other=0.0)[:, None]
+        biased = tl.load(exponents + tokens, mask=valid, other=127).to(tl.int32)
+        dm = dm * _power_of_two(biased)[:, None]
     return dm
 
 
 @triton.jit
-def _source(src_image, plane, scales, scale_plane, tokens, valid, offsets, mask, centre,
+def _source(src_image, plane, exponents, exponent_plane, tokens, valid, offsets, mask, centre,
             FROM_TOKENS: tl.constexpr):
     """The two moments of S at ``offsets`` (of ``tokens``, which are ``valid``): T = (x - centre,
-    (x - centre)^2) from the tokens, or dL/dm from two planes ``plane`` apart and their scales
-    ``scale_plane`` apart (:func:`_load_scaled`); zeros outside ``mask``."""
+    (x - centre)^2) from the tokens, or dL/dm from two planes ``plane`` apart and their exponents
+    ``exponent_plane`` apart (:func:`_load_scaled`); zeros outside ``mask``."""
     if FROM_TOKENS:
         t = tl.load(src_image + offsets, mask=mask, other=0.0).to(tl.float32)
         t = tl.where(mask, t - centre, 0.0)
         return t, t * t
     else:
-        return (_load_scaled(src_image, scales, tokens, valid, offsets, mask),
-                _load_scaled(src_image + plane, scales + scale_plane, tokens, valid, offsets,
-                             mask))
+        return (_load_scaled(src_image, exponents, tokens, valid, offsets, mask),
+                _load_scaled(src_image + plane, exponents + exponent_plane, tokens, valid,
+                             offsets,                              mask))
 
 
 @triton.jit
@@ -183,8 +203,8 @@ def _bands(p_y, p_x, i, w, H, W, TRANSPOSE: tl.constexpr, SPAN_BLOCK: tl.constex
 
 
 @triton.jit
-def _products(src_image, plane, scales, scale_plane, centre, p_y, p_x, bands, i, w, H, W, C,
-              channel, real, FROM_TOKENS: tl.constexpr, TRANSPOSE: tl.constexpr,
+def _products(src_image, plane, exponents, exponent_plane, centre, p_y, p_x, bands, i, w, H, W,
+              C, channel, real, FROM_TOKENS: tl.constexpr, TRANSPOSE: tl.constexpr,
               BAND: tl.constexpr, D_BLOCK: tl.constexpr):
     """(P_y^h (x) P_x^h) S at tokens w of token row i, or with TRANSPOSE the transposed factors',
     over their ``bands`` (:func:`_bands`), for the channels ``channel`` of one head (``real``: the
@@ -205,9 +225,9 @@ def _products(src_image, plane, scales, scale_plane, centre, p_y, p_x, bands, i,
             else:
                 weight_y = tl.load(p_y + i * H + r)
             tokens = r * W + cols
-            s_first, s_second = _source(src_image, plane, scales, scale_plane, tokens, valid,
-                                        tokens[:, None] * C + channel[None, :], mask, centre,
-                                        FROM_TOKENS)
+            s_first, s_second = _source(src_image, plane, exponents, exponent_plane, tokens,
+                                        valid, tokens[:, None] * C + channel[None, :], mask,
+                                        centre, FROM_TOKENS)
             v_first += weight_y * s_first
             v_second += weight_y * s_second
         weights_x = _weights(p_x, w, cols, W, hi_x, TRANSPOSE)  # m = P_x v
@@ -347,12 +367,12 @@ def _coefficient_sums(x_image, dm_first, dm_second, centre, p_y, p_x, bands, i, 
 
 @triton.jit(do_not_specialize=['H', 'W', 'C', 'd', 'heads'])
 def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr,
-                                  weight_ptr, scaled_dm_ptr, scale_ptr, token_ptr, coef_ptr, H, W,
-                                  C, d, heads, eps, n_var, TOKENS: tl.constexpr,
+                                  weight_ptr, scaled_dm_ptr, exponent_ptr, token_ptr, coef_ptr, H,
+                                  W, C, d, heads, eps, n_var, TOKENS: tl.constexpr,
                                   BAND: tl.constexpr, D_BLOCK: tl.constexpr,
                                   SPAN_BLOCK: tl.constexpr):
     """For tokens w of token row i of image b (program (b H + i, block)): dL/dm (two planes (2,
-    B, N, C) as :func:`_store_scaled` stores them; for 16-bit tokens the scales (2, B, heads,
+    B, N, C) as :func:`_store_scaled` stores them; for 16-bit tokens the exponents (2, B, heads,
     N)), per token mean_ln, var_ln and the gradient of Eq. 2 as dx = ... + x beta + alpha
     (``token_ptr``, (B N, 4)) and the program's share of the gradient of a^h (heads, 3)."""
     row, block = tl.program_id(0), tl.program_id(1)
@@ -360,7 +380,7 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
     w = block * TOKENS + tl.arange(0, TOKENS)
     image = b.to(tl.int64) * H * W * C
     plane = (tl.num_programs(0) // H).to(tl.int64) * H * W * C  # B N C
-    scale_plane = (tl.num_programs(0) // H) * heads * H * W  # B heads N
+    exponent_plane = (tl.num_programs(0) // H) * heads * H * W  # B heads N
     x_image, g_image, dm_image = x_ptr + image, g_ptr + image, scaled_dm_ptr + image
     program = row * tl.num_programs(1) + block
     mean_ln, var_ln = _ln_statistics(x_image, i, w, W, C, d, heads, n_var, D_BLOCK)
@@ -380,10 +400,10 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
         # dL/dm_second = dL/dvar_it [var_it > 0], dL/dm_first = dL/dmu_it - 2 m_first dL/dm_second
         dm_second = tl.where(var_it > 0, -0.5 * kap_v * d2, 0.0)
         dm_first = -kap_m * d1 - 2.0 * first * dm_second
-        scales = scale_ptr + (b * heads + head) * H * W
-        _store_scaled(dm_image, scales, i * W + w, w < W, offsets, mask, dm_first)
-        _store_scaled(dm_image + plane, scales + scale_plane, i * W + w, w < W, offsets, mask,
-                      dm_second)
+        exponents = exponent_ptr + (b * heads + head) * H * W
+        _store_scaled(dm_image, exponents, i * W + w, w < W, offsets, mask, dm_first)
+        _store_scaled(dm_image + plane, exponents + exponent_plane, i * W + w, w < W, offsets,
+                      mask, dm_second)
         da1, da2, da3 = _coefficient_sums(x_image, dm_first, dm_second, centre, p_y, p_x, bands,
                                           i, w, H, W, C, channel, real, BAND, D_BLOCK)
         coef = coef_ptr + (program * heads + head) * 3
@@ -400,50 +420,68 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
     tl.store(token + 3, alpha, mask=w < W)
 
 
-@triton.jit(do_not_specialize=['H', 'W', 'C', 'd'])
+@triton.jit(do_not_specialize=['H', 'W', 'C', 'd', 'rows'])
 def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr,
-                                 weight_ptr, scaled_dm_ptr, scale_ptr, token_ptr, dx_ptr,
-                                 partial_ptr, H, W, C, d, eps, TOKENS: tl.constexpr,
+                                 weight_ptr, scaled_dm_ptr, exponent_ptr, token_ptr, dx_ptr,
+                                 partial_ptr, H, W, C, d, rows, eps, TOKENS: tl.constexpr,
                                  BAND: tl.constexpr, D_BLOCK: tl.constexpr,
                                  SPAN_BLOCK: tl.constexpr):
-    """dx of head ``program_id(2)``'s channels of tokens w of token row i of image b (program (b
-    H + i, block, head)): D1 + x beta + alpha + dL/dT_0 + 2 (x - centre) dL/dT_1; and the sums
-    of xhat g, g, mu_ln D1, var_ln D2, mu_it D1, var_it D2 over the tokens, for those channels of
-    the sums (6, C) of program (b H + i, block)."""
-    row, block, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, i = row // H, row % H
+    """dx of head ``program_id(2)``'s channels of tokens w of up to ``rows`` token rows i of image
+    b (program (b R + k, block, head) takes rows k rows ..., R = ceil(H / rows)): D1 + x beta +
+    alpha + dL/dT_0 + 2 (x - centre) dL/dT_1; and the sums of xhat g, g, mu_ln D1, var_ln D2,
+    mu_it D1, var_it D2 over all its tokens, for the head's channels of the sums (6, C) of
+    program (b R + k, block)."""
+    row_block, block, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row_blocks = tl.cdiv(H, rows)
+    b, first_row = row_block // row_blocks, (row_block % row_blocks) * rows
     w = block * TOKENS + tl.arange(0, TOKENS)
     image = b.to(tl.int64) * H * W * C
-    plane = (tl.num_programs(0) // H).to(tl.int64) * H * W * C  # B N C
-    heads = tl.num_programs(2)
-    scale_plane = (tl.num_programs(0) // H) * heads * H * W  # B heads N
+    batch, heads = tl.num_programs(0) // row_blocks, tl.num_programs(2)
+    plane = batch.to(tl.int64) * H * W * C  # B N C
+    exponent_plane = batch * heads * H * W  # B heads N
     x_image, g_image = x_ptr + image, g_ptr + image
-    token = token_ptr + (b.to(tl.int64) * H * W + i * W + w) * 4
-    mean_ln = tl.load(token, mask=w < W, other=0.0)[:, None]
-    var_ln = tl.load(token + 1, mask=w < W, other=0.0)[:, None]
-    beta = tl.load(token + 2, mask=w < W, other=0.0)[:, None]
-    alpha = tl.load(token + 3, mask=w < W, other=0.0)[:, None]
-    x, mask, offsets, channel, real, centre, p_y, p_x, _, first, var_it, _, _, _, _, rstd, xhat = \
-        _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, w, head, H,
-                           W, C, d, mean_ln, var_ln, eps, BAND, D_BLOCK, SPAN_BLOCK)
+    exponents = exponent_ptr + (b * heads + head) * H * W
     gamma = _channel_row(weight_ptr + head * d, d, D_BLOCK)
-    g, _, _ = _head_tokens(g_image, i, w, head, W, C, d, D_BLOCK)
-    d1 = g * gamma * rstd
-    d2 = d1 * xhat * rstd
-    sums = partial_ptr + (row * tl.num_programs(1) + block).to(tl.int64) * 6 * C + channel
-    tl.store(sums, tl.sum(xhat * g, axis=0), mask=real)
-    tl.store(sums + C, tl.sum(g, axis=0), mask=real)
-    tl.store(sums + 2 * C, tl.sum(mean_ln * d1, axis=0), mask=real)
-    tl.store(sums + 3 * C, tl.sum(var_ln * d2, axis=0), mask=real)
-    tl.store(sums + 4 * C, tl.sum((first + centre) * d1, axis=0), mask=real)
-    tl.store(sums + 5 * C, tl.sum(var_it * d2, axis=0), mask=real)
-    bands = _bands(p_y, p_x, i, w, H, W, True, SPAN_BLOCK)  # of the transposed factors
-    scales = scale_ptr + (b * heads + head) * H * W
-    dt_first, dt_second = _products(scaled_dm_ptr + image, plane, scales, scale_plane, centre,
-                                    p_y, p_x, bands, i, w, H, W, C, channel, real, False, True,
-                                    BAND, D_BLOCK)
-    dx = d1 + x * beta + alpha + dt_first + 2.0 * (x - centre) * dt_second
-    tl.store(dx_ptr + image + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    xhat_g = tl.zeros([D_BLOCK], tl.float32)
+    g_sum = tl.zeros([D_BLOCK], tl.float32)
+    mean_ln_d1 = tl.zeros([D_BLOCK], tl.float32)
+    var_ln_d2 = tl.zeros([D_BLOCK], tl.float32)
+    mean_it_d1 = tl.zeros([D_BLOCK], tl.float32)
+    var_it_d2 = tl.zeros([D_BLOCK], tl.float32)
+    for i in range(first_row, tl.minimum(first_row + rows, H)):
+        token = token_ptr + (b.to(tl.int64) * H * W + i * W + w) * 4
+        mean_ln = tl.load(token, mask=w < W, other=0.0)[:, None]
+        var_ln = tl.load(token + 1, mask=w < W, other=0.0)[:, None]
+        beta = tl.load(token + 2, mask=w < W, other=0.0)[:, None]
+        alpha = tl.load(token + 3, mask=w < W, other=0.0)[:, None]
+        x, mask, offsets, channel, real, centre, p_y, p_x, _, first, var_it, _, _, _, _, rstd, \
+            xhat = _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, w,
+                                      head, H, W, C, d, mean_ln, var_ln, eps, BAND, D_BLOCK,
+                                      SPAN_BLOCK)
+        g, _, _ = _head_tokens(g_image, i, w, head, W, C, d, D_BLOCK)
+        d1 = g * gamma * rstd
+        d2 = d1 * xhat * rstd
+        xhat_g += tl.sum(xhat * g, axis=0)
+        g_sum += tl.sum(g, axis=0)
+        mean_ln_d1 += tl.sum(mean_ln * d1, axis=0)
+        var_ln_d2 += tl.sum(var_ln * d2, axis=0)
+        mean_it_d1 += tl.sum((first + centre) * d1, axis=0)
+        var_it_d2 += tl.sum(var_it * d2, axis=0)
+        bands = _bands(p_y, p_x, i, w, H, W, True, SPAN_BLOCK)  # of the transposed factors
+        dt_first, dt_second = _products(scaled_dm_ptr + image, plane, exponents, exponent_plane,
+                                        centre, p_y, p_x, bands, i, w, H, W, C, channel, real,
+                                        False, True, BAND, D_BLOCK)
+        dx = d1 + x * beta + alpha + dt_first + 2.0 * (x - centre) * dt_second
+        tl.store(dx_ptr + image + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    c = tl.arange(0, D_BLOCK)
+    program = (row_block * tl.num_programs(1) + block).to(tl.int64)
+    sums = partial_ptr + program * 6 * C + head * d + c
+    tl.store(sums, xhat_g, mask=c < d)
+    tl.store(sums + C, g_sum, mask=c < d)
+    tl.store(sums + 2 * C, mean_ln_d1, mask=c < d)
+    tl.store(sums + 3 * C, var_ln_d2, mask=c < d)
+    tl.store(sums + 4 * C, mean_it_d1, mask=c < d)
+    tl.store(sums + 5 * C, var_it_d2, mask=c < d)
 
 
 def gradient_dtype(dtype):
@@ -452,6 +490,14 @@ def gradient_dtype(dtype):
     (:func:`_store_scaled`): 11 significant bits of every value within 2^14 of its token's
     largest (more than bfloat16 tokens have), in half float32's bytes."""
     return torch.float32 if dtype == torch.float32 else torch.float16
+
+
+def rows_per_program(programs, H):
+    """Token rows per input-gradient program, where one a row would make ``programs``: as many
+    as keep at least :data:`PROGRAMS` programs (one where there are fewer), at most H, spread
+    evenly over the image's rows."""
+    rows = max(1, min(H, programs // PROGRAMS))
+    return -(-H // -(-H // rows))
 
 
 def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
@@ -465,20 +511,22 @@ def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
     spec = specializations(grid.d)[1]
     programs = (B * grid.H, -(-grid.W // spec[1]['TOKENS']))
     dm = x.new_empty(2, B, N, C, dtype=gradient_dtype(x.dtype))
-    scales = x.new_empty(2, B, grid.heads, N if dm.dtype != torch.float32 else 0,
-                         dtype=torch.float32)
+    exponents = x.new_empty(2, B, grid.heads, N if dm.dtype != torch.float32 else 0,
+                            dtype=torch.uint8)
     token = x.new_empty(B * N, 4, dtype=torch.float32)
     coefficients = x.new_empty(programs[0] * programs[1], grid.heads, 3, dtype=torch.float32)
     launch('triton.fused_token_gradients', spec, programs, operands,
-           [dm, scales, token, coefficients], *operands, dm, scales, token, coefficients, grid.H,
-           grid.W, C, grid.d, grid.heads, float(eps), float(n_var))
+           [dm, exponents, token, coefficients], *operands, dm, exponents, token, coefficients,
+           grid.H, grid.W, C, grid.d, grid.heads, float(eps), float(n_var))
     dx = torch.empty_like(x)
     spec = specializations(grid.d)[2]
-    programs = (B * grid.H, -(-grid.W // spec[1]['TOKENS']), grid.heads)
+    blocks = -(-grid.W // spec[1]['TOKENS'])
+    rows = rows_per_program(B * grid.H * blocks * grid.heads, grid.H)
+    programs = (B * -(-grid.H // rows), blocks, grid.heads)
     partial = x.new_empty(programs[0] * programs[1], 6, C, dtype=torch.float32)
-    launch('triton.fused_input_gradient', spec, programs, [*operands, dm, scales, token],
-           [dx, partial], *operands, dm, scales, token, dx, partial, grid.H, grid.W, C, grid.d,
-           float(eps))
+    launch('triton.fused_input_gradient', spec, programs, [*operands, dm, exponents, token],
+           [dx, partial], *operands, dm, exponents, token, dx, partial, grid.H, grid.W, C, grid.d,
+           rows, float(eps))
     return dx, partial, coefficients
 
 

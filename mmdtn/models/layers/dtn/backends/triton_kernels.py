@@ -66,7 +66,8 @@ TOKENS_PER_PROGRAM = 64
 CENTRE_STRIDE = 17
 
 #: Pointer arguments of the kernels to tensors of the tokens' dtype; all others are float32 but
-#: the fused passes' dL/dm (:data:`.triton_fused.GRADIENT_POINTERS`).
+#: the fused passes' dL/dm and its exponents (:data:`.triton_fused.GRADIENT_POINTERS`,
+#: :data:`.triton_fused.EXPONENT_POINTERS`).
 TOKEN_POINTERS = ('x_ptr', 'g_ptr', 'y_ptr', 'dx_ptr')
 #: Runtime integers that change with the resolution: never specialised (no recompilation).
 _SIZES = ['H', 'W', 'C', 'd', 'm_sb', 'm_srow', 'm_scol', 'm_shead', 't_sb', 't_srow',
