@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from .triton_band import SPAN_BLOCK, _band, _weights
-from .triton_kernels import _channel_row, _ratio_rows, _standardised
+from .triton_kernels import _cdiv, _channel_row, _ratio_rows, _standardised
 from .triton_launch import launch
 
 __all__ = ['fuses', 'fused_output', 'fused_backward', 'specializations', 'gradient_dtype',
@@ -190,7 +190,7 @@ def _source(src_image, plane, exponents, exponent_plane, tokens, valid, offsets,
     else:
         return (_load_scaled(src_image, exponents, tokens, valid, offsets, mask),
                 _load_scaled(src_image + plane, exponents + exponent_plane, tokens, valid,
-                             offsets,                              mask))
+                             offsets, mask))
 
 
 @triton.jit
@@ -300,7 +300,7 @@ def fused_output(x, centre, p_y, p_x, ratios, weight, bias, eps, n_var, grid):
     operands = [x, centre.contiguous(), p_y.contiguous(), p_x.contiguous(), ratios.contiguous(),
                 weight.contiguous(), bias.contiguous()]
     spec = specializations(grid.d)[0]
-    launch('triton.fused_output', spec, (grid.B * grid.H, -(-grid.W // spec[1]['TOKENS'])),
+    launch('triton.fused_output', spec, (grid.B * grid.H, _cdiv(grid.W, spec[1]['TOKENS'])),
            operands, [y], *operands, y, grid.H, grid.W, grid.C, grid.d, grid.heads, float(eps),
            float(n_var))
     return y
@@ -427,10 +427,10 @@ def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, rat
                                  BAND: tl.constexpr, D_BLOCK: tl.constexpr,
                                  SPAN_BLOCK: tl.constexpr):
     """dx of head ``program_id(2)``'s channels of tokens w of up to ``rows`` token rows i of image
-    b (program (b R + k, block, head) takes rows k rows ..., R = ceil(H / rows)): D1 + x beta +
-    alpha + dL/dT_0 + 2 (x - centre) dL/dT_1; and the sums of xhat g, g, mu_ln D1, var_ln D2,
-    mu_it D1, var_it D2 over all its tokens, for the head's channels of the sums (6, C) of
-    program (b R + k, block)."""
+    b (program (b R + k, block, head) takes rows k rows ... k rows + rows - 1, R = ceil(H /
+    rows)): D1 + x beta + alpha + dL/dT_0 + 2 (x - centre) dL/dT_1; and the sums of xhat g, g,
+    mu_ln D1, var_ln D2, mu_it D1, var_it D2 over all its tokens, for the head's channels of the
+    sums (6, C) of program (b R + k, block)."""
     row_block, block, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row_blocks = tl.cdiv(H, rows)
     b, first_row = row_block // row_blocks, (row_block % row_blocks) * rows
@@ -497,7 +497,7 @@ def rows_per_program(programs, H):
     as keep at least :data:`PROGRAMS` programs (one where there are fewer), at most H, spread
     evenly over the image's rows."""
     rows = max(1, min(H, programs // PROGRAMS))
-    return -(-H // -(-H // rows))
+    return _cdiv(H, _cdiv(H, rows))
 
 
 def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
@@ -509,7 +509,7 @@ def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
     operands = [x, g, centre.contiguous(), p_y.contiguous(), p_x.contiguous(),
                 ratios.contiguous(), weight.contiguous()]
     spec = specializations(grid.d)[1]
-    programs = (B * grid.H, -(-grid.W // spec[1]['TOKENS']))
+    programs = (B * grid.H, _cdiv(grid.W, spec[1]['TOKENS']))
     dm = x.new_empty(2, B, N, C, dtype=gradient_dtype(x.dtype))
     exponents = x.new_empty(2, B, grid.heads, N if dm.dtype != torch.float32 else 0,
                             dtype=torch.uint8)
@@ -520,9 +520,9 @@ def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
            grid.H, grid.W, C, grid.d, grid.heads, float(eps), float(n_var))
     dx = torch.empty_like(x)
     spec = specializations(grid.d)[2]
-    blocks = -(-grid.W // spec[1]['TOKENS'])
+    blocks = _cdiv(grid.W, spec[1]['TOKENS'])
     rows = rows_per_program(B * grid.H * blocks * grid.heads, grid.H)
-    programs = (B * -(-grid.H // rows), blocks, grid.heads)
+    programs = (B * _cdiv(grid.H, rows), blocks, grid.heads)
     partial = x.new_empty(programs[0] * programs[1], 6, C, dtype=torch.float32)
     launch('triton.fused_input_gradient', spec, programs, [*operands, dm, exponents, token],
            [dx, partial], *operands, dm, exponents, token, dx, partial, grid.H, grid.W, C, grid.d,
