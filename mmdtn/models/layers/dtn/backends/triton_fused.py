@@ -85,8 +85,8 @@ MAX_HEAD_CHANNELS = 64
 #: and for heads of 64 channels spilled 136-552 bytes with 4 warps (none with 8). The tokens are
 #: the rows of P_x in one tl.dot (at least 16). Not yet timed on a GPU.
 TILES = {
-    'output': {32: (16, 8), 64: (32, 8)},
-    'token_gradients': {32: (16, 4), 64: (16, 8)},
+    'output': {32: (16, 8), 64: (16, 8)},
+    'token_gradients': {32: (16, 4), 64: (16, 4)},
     'input_gradient': {32: (32, 4), 64: (32, 8)},
 }
 
