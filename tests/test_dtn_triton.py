@@ -44,6 +44,23 @@ def triton_dtn(backend_setting):
     set_dtn_backend('triton')
 
 
+@pytest.fixture
+def fused_passes(monkeypatch):
+    """Runs the passes without pooling fused (the default; not ``MMDTN_TRITON_FUSED=0``) within a
+    test, whatever the setting."""
+    monkeypatch.setattr(triton_fused, 'ENABLED', True)
+
+
+#: The two ways the passes without pooling run: fused (the default) and staged (layers with
+#: pooling run the same either way).
+WITHOUT_POOLING = ['fused', 'staged']
+
+
+def run_passes(monkeypatch, way):
+    """Makes the passes without pooling run the ``way`` of :data:`WITHOUT_POOLING` within a test."""
+    monkeypatch.setattr(triton_fused, 'ENABLED', way == 'fused')
+
+
 def loss_weights(y, scale=1.0):
     """dL/dy for the output y: ``scale`` * seeded standard-normal values, drawn on the CPU so that
     every device gets the same. Not a ramp over the elements: with one, the bias gradient (dL/dy
@@ -75,14 +92,20 @@ def relative_errors(norm, x, hw, loss_scale=1.0):
     return errors
 
 
-@pytest.mark.parametrize('hw,pool,heads,C,B', [
-    ((5, 7), 1, 3, 12, 3), ((6, 9), 2, 4, 16, 1), ((9, 6), 4, 5, 20, 3), ((1, 1), 1, 1, 8, 1),
-    ((1, 9), 2, 3, 12, 1), ((7, 8), 4, 1, 4, 1), ((4, 4), 1, 4, 96, 1)])
+SHAPES = [((5, 7), 1, 3, 12, 3), ((6, 9), 2, 4, 16, 1), ((9, 6), 4, 5, 20, 3), ((1, 1), 1, 1, 8, 1),
+          ((1, 9), 2, 3, 12, 1), ((7, 8), 4, 1, 4, 1), ((4, 4), 1, 4, 96, 1)]
+
+
+@pytest.mark.parametrize('hw,pool,heads,C,B,way', [
+    (*shape, way) for way in WITHOUT_POOLING for shape in SHAPES
+    if way == 'fused' or shape[1] > 1])
 @pytest.mark.parametrize('reference_compat', [False, True])
-def test_equals_dense_reference_float32(triton_dtn, hw, pool, heads, C, B, reference_compat):
+def test_equals_dense_reference_float32(triton_dtn, monkeypatch, hw, pool, heads, C, B, way,
+                                        reference_compat):
     """Odd, non-square, 1 x 1 and 1 x N grids, pooling 1, 2, 4 with partial border cells, heads
-    1, 3, 4, 5, a channel count that is not a power of two (96), batch 1 and 3; forward and every
-    gradient to float32 rounding."""
+    1, 3, 4, 5, a channel count that is not a power of two (96), batch 1 and 3, without pooling
+    both ways; forward and every gradient to float32 rounding."""
+    run_passes(monkeypatch, way)
     norm = randomize(DynamicTokenNorm(C, heads, pool_size=pool, eps=1e-5,
                                       reference_compat=reference_compat)).float().to(DEVICE)
     x = tokens(B, *hw, C, torch.float32).to(DEVICE)
@@ -96,7 +119,6 @@ def test_without_pooling_fused_or_staged(triton_dtn, monkeypatch, C, heads, hw, 
     rows of several programs): one forward, two backward, and no band products; the staged passes
     for wider heads (72 channels) or with MMDTN_TRITON_FUSED=0. Each equals the dense reference,
     forward and every gradient, to float32 rounding."""
-    from mmdtn.models.layers.dtn.backends import triton_fused
     monkeypatch.setattr(triton_fused, 'ENABLED', enabled)
     norm = randomize(DynamicTokenNorm(C, heads, eps=1e-5)).float().to(DEVICE)
     x = tokens(2, *hw, C, torch.float32).to(DEVICE)
@@ -111,13 +133,12 @@ def test_without_pooling_fused_or_staged(triton_dtn, monkeypatch, C, heads, hw, 
 
 
 @pytest.mark.parametrize('programs,rows', [(1, 7), (8, 3)])
-def test_fused_input_gradient_programs_of_several_token_rows(triton_dtn, monkeypatch, programs,
-                                                             rows):
+def test_fused_input_gradient_programs_of_several_token_rows(triton_dtn, fused_passes, monkeypatch,
+                                                             programs, rows):
     """Where a program per token row would make more than PROGRAMS input-gradient programs, each
     takes several token rows and writes the parameter sums once for all of them: here 28 programs
     of a row (7 rows, batch 2, 2 heads) become programs of all 7 rows, or of 3, 3 and 1. Forward
     and every gradient equal the dense reference to float32 rounding."""
-    from mmdtn.models.layers.dtn.backends import triton_fused
     monkeypatch.setattr(triton_fused, 'PROGRAMS', programs)
     assert triton_fused.rows_per_program(28, 7) == rows
     norm = randomize(DynamicTokenNorm(8, 2, eps=1e-5)).float().to(DEVICE)
@@ -189,13 +210,14 @@ def test_traffic_with_pooling(backend_setting, C, hw, pool, heads):
         assert count.bytes / tokens - over_tokens <= products * moments, count.by_kernel
 
 
-def test_traffic_without_pooling(backend_setting):
-    """Without pooling (PVT-Tiny's stage-3 shape, float16 tokens, on meta tensors) the passes are
-    fused. Forward: x read once and y written once, as LayerNorm, plus the positional factors and
-    the per-channel parameters. Backward, two passes over the tokens: g and x read and dL/dm
-    written (two float16 values per channel and a byte, the exponent of a scale, per head and
-    moment), then g, x and dL/dm read, dx written and the sums for the parameters (per program of
-    several token rows); besides them only per-token values and the factors."""
+def test_traffic_without_pooling(backend_setting, fused_passes):
+    """Without pooling (PVT-Tiny's stage-3 shape, float16 tokens, on meta tensors), the passes
+    fused. Forward: x read once and y written once, as LayerNorm, plus the
+    positional factors and the per-channel parameters. Backward, two passes over the tokens: g
+    and x read and dL/dm written (two float16 values per channel and a byte, the exponent of a
+    scale, per head and moment), then g, x and dL/dm read, dx written and the sums for the
+    parameters (per program of several token rows); besides them only per-token values and the
+    factors."""
     C, H, W, heads = 320, 50, 84, 5
     _, counts, x = traffic_on_meta(C, (H, W), 1, heads)
     tokens, token_bytes, dm_bytes = x.shape[:2].numel(), C * 2, 2 * C * 2 + 2 * heads
@@ -225,7 +247,7 @@ def test_traffic_without_pooling(backend_setting):
         'triton.parameter_gradients', 'triton.parameters_backward']
 
 
-def test_kernel_loads_counts_what_the_interpreted_kernels_load(backend_setting):
+def test_kernel_loads_counts_what_the_interpreted_kernels_load(backend_setting, fused_passes):
     """tools/analysis/kernel_loads.py adds up the bytes every load of the interpreted kernels asks
     for: the moments pass with pooling loads every token once (and the centre once per program);
     the fused forward pass without pooling loads the tokens of a token row three times (Eq. 2 in
@@ -356,22 +378,26 @@ def test_band_products_form_the_token_moments_where_they_read_them(B, H, W, C, h
 
 
 @pytest.mark.parametrize('dtype,tol', [(torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize('pool', [1, 2])
-def test_half_precision_tokens_are_read_directly(triton_dtn, dtype, tol, pool):
+@pytest.mark.parametrize('pool,way', [(1, 'fused'), (1, 'staged'), (2, 'fused')])
+def test_half_precision_tokens_are_read_directly(triton_dtn, monkeypatch, dtype, tol, pool,
+                                                 way):
     """float16 and bfloat16 tokens go to the kernels as they are (statistics in float32); the
     output and dx have the tokens' dtype and the accuracy of their resolution."""
+    run_passes(monkeypatch, way)
     norm = randomize(DynamicTokenNorm(32, 4, pool_size=pool)).float().to(DEVICE)
     x = tokens(2, 6, 7, 32, torch.float32).to(DEVICE, dtype)
     assert max(relative_errors(norm, x, (6, 7))) < tol
 
 
-@pytest.mark.parametrize('pool', [1, 2])
-def test_half_precision_gradients_between_the_passes_keep_their_range(triton_dtn, pool):
+@pytest.mark.parametrize('pool,way', [(1, 'fused'), (1, 'staged'), (2, 'fused')])
+def test_half_precision_gradients_between_the_passes_keep_their_range(triton_dtn, monkeypatch,
+                                                                      pool, way):
     """Without pooling, for 16-bit tokens, dL/dm passes between the fused backward kernels in
     float16, each token's values of a head and moment divided by the power of two above their
-    largest (with pooling it passes in float32): with tokens of standard deviation 1e-2 and dL/dy
-    up to 100, dL/dvar reaches about 1e6, beyond float16's range (unscaled, dx is nan), while dx
-    stays within it; dx keeps float16's accuracy."""
+    largest (with pooling and in the staged passes it passes in float32): with tokens of standard
+    deviation 1e-2 and dL/dy up to 100, dL/dvar reaches about 1e6, beyond float16's range
+    (unscaled, dx is nan), while dx stays within it; dx keeps float16's accuracy."""
+    run_passes(monkeypatch, way)
     norm = randomize(DynamicTokenNorm(32, 4, pool_size=pool)).float().to(DEVICE)
     x = (1e-2 * tokens(2, 6, 7, 32, torch.float32)).to(DEVICE, torch.float16)
     assert max(relative_errors(norm, x, (6, 7), loss_scale=100.0)) < 2e-3

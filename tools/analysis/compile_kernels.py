@@ -155,7 +155,8 @@ def main():
         grids[model] = sorted(model_grids)
     conventions = [False, True] if args.reference_compat else [False]
     specs = [spec for C, pool, heads in sorted(layers) for square in conventions
-             for spec in specializations(C, pool, heads, square)]
+             for fused in (False, True)  # the staged passes and, where they run, the fused ones
+             for spec in specializations(C, pool, heads, square, fused)]
     specs += triton_parameters.specializations() + triton_band.specializations()
     jobs = {}
     for kernel, constexprs, warps in specs:

@@ -55,9 +55,9 @@ from .triton_band import SPAN_BLOCK, _band, _weights
 from .triton_kernels import _cdiv, _channel_row, _ratio_rows, _standardised
 from .triton_launch import launch
 
-__all__ = ['fuses', 'fused_output', 'fused_backward', 'specializations', 'gradient_dtype',
-           'MAX_HEAD_CHANNELS', 'GRADIENT_POINTERS', 'EXPONENT_POINTERS', 'PROGRAMS',
-           'rows_per_program']
+__all__ = ['can_fuse', 'fuses', 'fused_output', 'fused_backward', 'specializations',
+           'gradient_dtype', 'MAX_HEAD_CHANNELS', 'GRADIENT_POINTERS', 'EXPONENT_POINTERS',
+           'PROGRAMS', 'rows_per_program']
 
 #: Token columns of the band per step: the inner dimension of the products with P_x (tl.dot's
 #: least, 16).
@@ -69,21 +69,26 @@ GRADIENT_POINTERS = ('scaled_dm_ptr',)
 EXPONENT_POINTERS = ('exponent_ptr',)
 
 
-#: Whether the fused passes run at all: ``MMDTN_TRITON_FUSED=0`` runs the staged passes instead
-#: (read at import), to compare the two on a GPU.
+#: Whether the passes without pooling run fused: by default; ``MMDTN_TRITON_FUSED=0`` runs the
+#: staged passes (read at import). On an H200 (README, "Measured on an H200"; float16 tokens, batch
+#: 2, PVT-Tiny's and Swin-T's stages 3 and 4) the fused passes took 0.97-1.46x the staged ones' GPU
+#: time but 0.54-0.63x their host time (7 launches and operations a call instead of 17), and a
+#: call, which at batch 2 waits for the host, 0.69-0.80x the time; and a third of the memory.
 ENABLED = os.environ.get('MMDTN_TRITON_FUSED', '1') != '0'
 #: The widest heads the fused passes take: up to 64 channels all three compile without spills on
 #: sm_80 and sm_90 (:data:`TILES`); for 128 the token-gradients kernel spilled 16 bytes or more
 #: with every tile tried. Wider heads run the staged passes.
 MAX_HEAD_CHANNELS = 64
 #: (tokens of a token row per program, warps) by kernel and head width (channels, padded to 32 or
-#: 64): without spills on sm_80 and sm_90 in every dtype (``compile_kernels.py``). When they were
-#: chosen, of 16 or 32 tokens with 4 or 8 warps, ptxas spilled 16 to 1500 bytes with the others
-#: for some dtype or architecture. The input gradient, which forms the parameter sums, takes 32
-#: tokens for both widths: it writes them half as often per token, and with a program per head its
-#: programs stay many; over several token rows (:data:`PROGRAMS`) it holds the sums across them,
-#: and for heads of 64 channels spilled 136-552 bytes with 4 warps (none with 8). The tokens are
-#: the rows of P_x in one tl.dot (at least 16). Not yet timed on a GPU.
+#: 64), timed on an H200 (README, "Measured on an H200"): of the variants of 16 or 32 tokens and
+#: 2, 4 or 8 warps, these took the least GPU time at PVT-Tiny's and Swin-T's stages 3 and 4
+#: without spilling on sm_90 (``compile_kernels.py``). For heads of 64 channels 16 tokens with 4
+#: warps in the token gradients (8 before) and 16 with 8 in the output (32 before) took PVT-Tiny's
+#: stage 3 from 1.08 to 0.82 ms; the token gradients spill 24-48 bytes there on sm_80. The input
+#: gradient, which forms the parameter sums, takes 32 tokens for both widths: it writes them half
+#: as often per token; over several token rows (:data:`PROGRAMS`) it holds the sums across them,
+#: and for heads of 64 channels spilled 136-552 bytes with 4 warps (5% faster on the H200 all the
+#: same) and none with 8. The tokens are the rows of P_x in one tl.dot (at least 16).
 TILES = {
     'output': {32: (16, 8), 64: (16, 8)},
     'token_gradients': {32: (16, 4), 64: (16, 4)},
@@ -94,14 +99,20 @@ TILES = {
 #: or H200's 132, which hold 8 warps of up to 255 registers a thread each (2 programs of 4 warps,
 #: 1 of 8; :data:`TILES`). Where a program per token row makes more, each program takes several
 #: rows (:func:`rows_per_program`) and writes the parameter sums (6 float32 values per channel)
-#: once for all of them. Not yet timed on a GPU.
+#: once for all of them. On an H200, 256 to 2048 (and a row each) were within 3% of 512 at
+#: PVT-Tiny's stage 3 (132: 11% more time); Swin-T's stage 4 took 3-4% less with 2048.
 PROGRAMS = 512
 
 
+def can_fuse(pool, d):
+    """Whether the fused passes take a layer with pooling ``pool`` and heads of d channels: no
+    pooling, heads of at most MAX_HEAD_CHANNELS channels."""
+    return pool == 1 and d <= MAX_HEAD_CHANNELS
+
+
 def fuses(pool, d):
-    """Whether a layer with pooling ``pool`` and heads of d channels runs fused here (no pooling,
-    heads of at most MAX_HEAD_CHANNELS channels; unless not ENABLED)."""
-    return ENABLED and pool == 1 and d <= MAX_HEAD_CHANNELS
+    """Whether such a layer runs fused here: where it can, with :data:`ENABLED`."""
+    return ENABLED and can_fuse(pool, d)
 
 
 # ---------------------------------------------------------------------------- shared pieces
