@@ -2,7 +2,8 @@
 report registers, spills and shared memory per kernel.
 
 Every kernel specialisation that the DTN layers of the given backbones launch (forward and
-backward; the tokens' dtypes given; both statistics conventions with ``--reference-compat``) is
+backward; without pooling the fused passes and the staged ones, ``MMDTN_TRITON_FUSED=0``; the
+tokens' dtypes given; both statistics conventions with ``--reference-compat``) is
 compiled by Triton's own compiler for each ``--arch`` (``triton.compile`` with a ``GPUTarget``,
 then NVIDIA's ``ptxas``, both shipped with triton). The resource use comes from the cubin
 (``cuobjdump --dump-resource-usage``) and ``ptxas``'s spill report. The image sizes (default
