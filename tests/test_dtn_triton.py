@@ -44,13 +44,6 @@ def triton_dtn(backend_setting):
     set_dtn_backend('triton')
 
 
-@pytest.fixture
-def fused_passes(monkeypatch):
-    """Runs the passes without pooling fused (the default; not ``MMDTN_TRITON_FUSED=0``) within a
-    test, whatever the setting."""
-    monkeypatch.setattr(triton_fused, 'ENABLED', True)
-
-
 #: The two ways the passes without pooling run: fused (the default) and staged (layers with
 #: pooling run the same either way).
 WITHOUT_POOLING = ['fused', 'staged']
@@ -59,6 +52,13 @@ WITHOUT_POOLING = ['fused', 'staged']
 def run_passes(monkeypatch, way):
     """Makes the passes without pooling run the ``way`` of :data:`WITHOUT_POOLING` within a test."""
     monkeypatch.setattr(triton_fused, 'ENABLED', way == 'fused')
+
+
+@pytest.fixture
+def fused_passes(monkeypatch):
+    """Runs the passes without pooling fused (the default; not ``MMDTN_TRITON_FUSED=0``) within a
+    test, whatever the setting."""
+    run_passes(monkeypatch, 'fused')
 
 
 def loss_weights(y, scale=1.0):
@@ -212,12 +212,11 @@ def test_traffic_with_pooling(backend_setting, C, hw, pool, heads):
 
 def test_traffic_without_pooling(backend_setting, fused_passes):
     """Without pooling (PVT-Tiny's stage-3 shape, float16 tokens, on meta tensors), the passes
-    fused. Forward: x read once and y written once, as LayerNorm, plus the
-    positional factors and the per-channel parameters. Backward, two passes over the tokens: g
-    and x read and dL/dm written (two float16 values per channel and a byte, the exponent of a
-    scale, per head and moment), then g, x and dL/dm read, dx written and the sums for the
-    parameters (per program of several token rows); besides them only per-token values and the
-    factors."""
+    fused. Forward: x read once and y written once, as LayerNorm, plus the positional factors and
+    the per-channel parameters. Backward, two passes over the tokens: g and x read and dL/dm
+    written (two float16 values per channel and a byte, the exponent of a scale, per head and
+    moment), then g, x and dL/dm read, dx written and the sums for the parameters (per program of
+    several token rows); besides them only per-token values and the factors."""
     C, H, W, heads = 320, 50, 84, 5
     _, counts, x = traffic_on_meta(C, (H, W), 1, heads)
     tokens, token_bytes, dm_bytes = x.shape[:2].numel(), C * 2, 2 * C * 2 + 2 * heads

@@ -76,8 +76,9 @@ EXPONENT_POINTERS = ('exponent_ptr',)
 #: call, which at batch 2 waits for the host, 0.69-0.80x the time; and a third of the memory.
 ENABLED = os.environ.get('MMDTN_TRITON_FUSED', '1') != '0'
 #: The widest heads the fused passes take: up to 64 channels all three compile without spills on
-#: sm_80 and sm_90 (:data:`TILES`); for 128 the token-gradients kernel spilled 16 bytes or more
-#: with every tile tried. Wider heads run the staged passes.
+#: sm_90 (on sm_80 the token gradients' tile for 64 spills 24-48 bytes; :data:`TILES`); for 128
+#: the token-gradients kernel spilled 16 bytes or more with every tile tried. Wider heads run the
+#: staged passes.
 MAX_HEAD_CHANNELS = 64
 #: (tokens of a token row per program, warps) by kernel and head width (channels, padded to 32 or
 #: 64), timed on an H200 (README, "Measured on an H200"): of the variants of 16 or 32 tokens and
