@@ -34,6 +34,7 @@ import torch
 from ..function import (FormedParameters, Gradients, Saved, TokenMoments, TokenStatistics,
                         define_custom_ops)
 from .base import Backend
+from .triton_interpreter import patch_once_per_run
 
 try:
     from .triton_band import BandFactor
@@ -52,6 +53,10 @@ __all__ = ['TritonBackend', 'interpreting']
 def interpreting():
     """Whether Triton runs its kernels in its interpreter (TRITON_INTERPRET=1), on CPU tensors."""
     return os.environ.get('TRITON_INTERPRET') == '1'
+
+
+if interpreting():  # Triton's interpreter without its repeated patching (tests, kernel_loads.py)
+    patch_once_per_run()
 
 
 class TritonBackend(Backend):
