@@ -35,7 +35,7 @@ import triton.language as tl
 
 from ..function import TokenMoments
 from .base import DenseFactor
-from .triton_launch import launch
+from .triton_launch import cdiv, launch
 
 __all__ = ['BandFactor', 'band_matmul', 'band_outer', 'specializations']
 
@@ -166,7 +166,7 @@ def band_matmul(p, x, group, transpose=False, inner=None):
     y = torch.empty(shape, dtype=torch.float32, device=p.device)
     spec = _matmul_spec(transpose, tokens)
     tiles = spec[1]
-    launch('triton.band_matmul', spec, (n, -(-L // tiles['ROWS']), -(-N // tiles['BLOCK_N'])),
+    launch('triton.band_matmul', spec, (n, cdiv(L, tiles['ROWS']), cdiv(N, tiles['BLOCK_N'])),
            [p, *reads], [y], p, *pointers, y, L, N, group, inner or N, *sizes)
     return y
 
@@ -211,9 +211,9 @@ def band_outer(p, a, x, group):
     group 1)."""
     (n, L, K), tokens, reads, pointers, sizes = _operand(x)
     spec = _outer_spec(tokens)
-    chunks = -(-K // spec[1]['BLOCK_K'])
+    chunks = cdiv(K, spec[1]['BLOCK_K'])
     partial = torch.empty(chunks, n, L, L, dtype=torch.float32, device=p.device)
-    launch('triton.band_outer', spec, (n, -(-L // spec[1]['ROWS']), chunks), [p, a, *reads],
+    launch('triton.band_outer', spec, (n, cdiv(L, spec[1]['ROWS']), chunks), [p, a, *reads],
            [partial], p, a, *pointers, partial, L, K, group, n, *sizes)
     return partial.view(chunks, -1, group, L, L).sum((0, 2))
 

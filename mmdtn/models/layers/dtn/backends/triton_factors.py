@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ..positional import truncation_cutoff
+from .triton_launch import cdiv
 
 __all__ = ['ROWS', 'BLOCK', 'CUTOFF', 'row_blocks']
 
@@ -135,4 +136,4 @@ def _coefficient_shares(shares_ptr, grad_coef_ptr, h, programs, BLOCK: tl.conste
 
 def row_blocks(rows, cols):
     """Blocks of ROWS rows of P_y^h and P_x^h together: the programs per head of the factors."""
-    return -(-rows // ROWS) - (-cols // ROWS)
+    return cdiv(rows, ROWS) + cdiv(cols, ROWS)

@@ -52,8 +52,8 @@ import triton
 import triton.language as tl
 
 from .triton_band import SPAN_BLOCK, _band, _weights
-from .triton_kernels import _cdiv, _channel_row, _ratio_rows, _standardised
-from .triton_launch import launch
+from .triton_kernels import _channel_row, _ratio_rows, _standardised
+from .triton_launch import cdiv, launch
 
 __all__ = ['can_fuse', 'fuses', 'fused_output', 'fused_backward', 'specializations',
            'gradient_dtype', 'MAX_HEAD_CHANNELS', 'GRADIENT_POINTERS', 'EXPONENT_POINTERS',
@@ -312,7 +312,7 @@ def fused_output(x, centre, p_y, p_x, ratios, weight, bias, eps, n_var, grid):
     operands = [x, centre.contiguous(), p_y.contiguous(), p_x.contiguous(), ratios.contiguous(),
                 weight.contiguous(), bias.contiguous()]
     spec = specializations(grid.d)[0]
-    launch('triton.fused_output', spec, (grid.B * grid.H, _cdiv(grid.W, spec[1]['TOKENS'])),
+    launch('triton.fused_output', spec, (grid.B * grid.H, cdiv(grid.W, spec[1]['TOKENS'])),
            operands, [y], *operands, y, grid.H, grid.W, grid.C, grid.d, grid.heads, float(eps),
            float(n_var))
     return y
@@ -509,7 +509,7 @@ def rows_per_program(programs, H):
     as keep at least :data:`PROGRAMS` programs (one where there are fewer), at most H, spread
     evenly over the image's rows."""
     rows = max(1, min(H, programs // PROGRAMS))
-    return _cdiv(H, _cdiv(H, rows))
+    return cdiv(H, cdiv(H, rows))
 
 
 def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
@@ -521,7 +521,7 @@ def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
     operands = [x, g, centre.contiguous(), p_y.contiguous(), p_x.contiguous(),
                 ratios.contiguous(), weight.contiguous()]
     spec = specializations(grid.d)[1]
-    programs = (B * grid.H, _cdiv(grid.W, spec[1]['TOKENS']))
+    programs = (B * grid.H, cdiv(grid.W, spec[1]['TOKENS']))
     dm = x.new_empty(2, B, N, C, dtype=gradient_dtype(x.dtype))
     exponents = x.new_empty(2, B, grid.heads, N if dm.dtype != torch.float32 else 0,
                             dtype=torch.uint8)
@@ -532,9 +532,9 @@ def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
            grid.H, grid.W, C, grid.d, grid.heads, float(eps), float(n_var))
     dx = torch.empty_like(x)
     spec = specializations(grid.d)[2]
-    blocks = _cdiv(grid.W, spec[1]['TOKENS'])
+    blocks = cdiv(grid.W, spec[1]['TOKENS'])
     rows = rows_per_program(B * grid.H * blocks * grid.heads, grid.H)
-    programs = (B * _cdiv(grid.H, rows), blocks, grid.heads)
+    programs = (B * cdiv(grid.H, rows), blocks, grid.heads)
     partial = x.new_empty(programs[0] * programs[1], 6, C, dtype=torch.float32)
     launch('triton.fused_input_gradient', spec, programs, [*operands, dm, exponents, token],
            [dx, partial], *operands, dm, exponents, token, dx, partial, grid.H, grid.W, C, grid.d,

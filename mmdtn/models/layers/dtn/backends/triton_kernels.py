@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from ..function import PARAMETER_SUMS
-from .triton_launch import launch
+from .triton_launch import cdiv, launch
 
 __all__ = ['sample_centre', 'moments', 'output', 'token_gradients', 'input_gradient',
            'specializations', 'TOKEN_POINTERS']
@@ -72,11 +72,6 @@ TOKEN_POINTERS = ('x_ptr', 'g_ptr', 'y_ptr', 'dx_ptr')
 #: Runtime integers that change with the resolution: never specialised (no recompilation).
 _SIZES = ['H', 'W', 'C', 'd', 'm_sb', 'm_srow', 'm_scol', 'm_shead', 't_sb', 't_srow',
           't_scol', 't_shead']
-
-
-def _cdiv(a, b):
-    """ceil(a / b) for ints (triton.cdiv is a JIT function: slower to call from the host)."""
-    return -(-a // b)
 
 
 def _c_block(C):
@@ -300,7 +295,7 @@ def moments(x, centre, grid, square_of_pooled=False):
     T = torch.empty(grid.column_major, dtype=torch.float32, device=x.device)
     first, second = (grid.from_column_major(T[:, :, k]) for k in range(2))
     spec = _moments_spec(C, grid.pool, square_of_pooled)
-    programs = (B * grid.Hp, _cdiv(grid.Wp, spec[1]['CELLS']))
+    programs = (B * grid.Hp, cdiv(grid.Wp, spec[1]['CELLS']))
     launch('triton.moments', spec, programs, [x, centre], [T], x, centre.contiguous(), first,
            second, grid.H, grid.W, C, grid.d, *_layout(first))
     return T
@@ -346,7 +341,7 @@ def output(x, centre, m_first, m_second, ratios, weight, bias, eps, n_var, grid)
     B, _, C = x.shape
     y = torch.empty_like(x)
     spec = _output_spec(C, grid.pool)
-    programs = (B * grid.Hp, _cdiv(grid.Wp, spec[1]['CELLS']))
+    programs = (B * grid.Hp, cdiv(grid.Wp, spec[1]['CELLS']))
     launch('triton.output', spec, programs, [x, m_first, m_second, centre, ratios, weight, bias],
            [y], x, m_first, m_second, centre.contiguous(), ratios, weight, bias, y, grid.H,
            grid.W, C, grid.d, *_layout(m_first), float(eps), float(n_var))
@@ -431,7 +426,7 @@ def token_gradients(g, x, centre, m_first, m_second, ratios, weight, eps, n_var,
     dm = torch.empty(grid.head_major, dtype=torch.float32, device=x.device)
     dm_first, dm_second = (grid.from_head_major(t) for t in dm.unbind(1))
     spec = _token_gradients_spec(C, grid.pool)
-    programs = (B * grid.Hp, _cdiv(grid.Wp, spec[1]['CELLS'] * spec[1]['TILES']))
+    programs = (B * grid.Hp, cdiv(grid.Wp, spec[1]['CELLS'] * spec[1]['TILES']))
     partial = torch.empty(programs[0] * programs[1], 6, C, dtype=torch.float32, device=x.device)
     launch('triton.token_gradients', spec, programs,
            [g, x, m_first, m_second, centre, ratios, weight], [dm, partial], x, g, m_first,
@@ -474,7 +469,7 @@ def parameter_gradients(partial):
     programs, rows, C = partial.shape
     ratios, weight, bias = (partial.new_empty(shape) for shape in ((4, C), (C, ), (C, )))
     spec = _parameter_gradients_spec()
-    launch('triton.parameter_gradients', spec, (_cdiv(C, spec[1]['BLOCK_C']), rows), [partial],
+    launch('triton.parameter_gradients', spec, (cdiv(C, spec[1]['BLOCK_C']), rows), [partial],
            [ratios, weight, bias], partial, ratios, weight, bias, programs, C)
     return ratios, weight, bias
 
@@ -549,7 +544,7 @@ def input_gradient(g, x, centre, m_first, m_second, ratios, weight, eps, n_var, 
     B, _, C = x.shape
     dx = torch.empty_like(x)
     spec = _input_gradient_spec(C, grid.pool, t_second is not None)
-    programs = (B * grid.Hp, _cdiv(grid.Wp, spec[1]['CELLS']))
+    programs = (B * grid.Hp, cdiv(grid.Wp, spec[1]['CELLS']))
     launch('triton.input_gradient', spec, programs,
            [g, x, m_first, m_second, centre, ratios, weight, t_first, t_second], [dx], x, g,
            m_first, m_second, centre.contiguous(), ratios, weight, t_first,

@@ -23,7 +23,13 @@ import torch
 
 from .base import record_launch, recording, tensor_bytes
 
-__all__ = ['launch', 'launch_key', 'CompiledLaunches']
+__all__ = ['launch', 'launch_key', 'CompiledLaunches', 'cdiv']
+
+
+def cdiv(a, b):
+    """ceil(a / b) for ints, for the programs of a grid (``triton.cdiv`` is a JIT function:
+    slower to call from the host)."""
+    return -(-a // b)
 
 
 def launch_key(kernel, constexprs, num_warps, device, args):
