@@ -8,7 +8,7 @@ demo: install
 	.venv/bin/python tools/demo.py
 
 test: install
-	.venv/bin/python -m pytest tests
+	.venv/bin/python -m pytest -n auto --dist loadfile tests
 
 clean-venv:
 	rm -rf .venv
