@@ -5,7 +5,7 @@ interpreted versions for the run (``triton.runtime.interpreter._patch_lang``). T
 that replacement again at every call of a ``@triton.jit`` function inside the kernel: a scan of
 every member of ``triton.language`` and of its tensor type (``inspect.getmembers``), which
 changes nothing after the first call. The backend's kernels call their helpers in their inner
-loops, tens of thousands of times a launch, and in the tests that scan took about 30% of the
+loops, thousands of times a launch, and in the tests that scan took about 30% of the
 interpreter's time (``cProfile``). Here each function is patched at its first call within a
 kernel run, as Triton patches it, and not again in that run; everything patched during the run
 is restored when it ends, however it ends. Results are the same; only the repeated scans go.
