@@ -32,12 +32,15 @@ class _Kept:
         pass
 
 
+_KEPT = _Kept()
+
+
 def _patch_within_run(fn):
     if _run_scopes is None:  # outside a kernel run: as Triton does
         return _triton_patch_lang(fn)
     if fn not in _run_scopes:
         _run_scopes[fn] = _triton_patch_lang(fn)
-    return _Kept()
+    return _KEPT
 
 
 def _one_run(call):
@@ -52,7 +55,7 @@ def _one_run(call):
             return call(self, *args, **kwargs)
         finally:
             scopes, _run_scopes = _run_scopes, None
-            for scope in reversed(list(scopes.values())):
+            for scope in reversed(scopes.values()):
                 scope.restore()
 
     return run
