@@ -46,6 +46,7 @@ import argparse
 import collections
 import contextlib
 import copy
+import math
 import os
 import statistics
 import sys
@@ -59,6 +60,7 @@ from tqdm import tqdm
 from mmdtn import DynamicTokenNorm, available_backends, set_dtn_backend
 from mmdtn.models.layers.dtn.backends.base import recording_launches
 from mmdtn.models.layers.dtn.function import CUSTOM_OP_IMPLEMENTATIONS
+from mmdtn.models.layers.dtn.grid import pooled_size
 from mmdtn.models.layers.dtn.reference import DenseDynamicTokenNorm
 
 # (model, stage, C, H, W, pool, DTN heads) at 800 x 1344
@@ -362,7 +364,7 @@ def time_table(args, device, names, progress):
     print(head + '\n' + '-' * len(head))
     for model, stage, C, H, W, pool, heads in args.stages:
         x, grad = inputs(C, H, W, args.batch, device, DTYPES[args.dtype])
-        T = (-(-H // pool) * -(-W // pool))**2
+        T = math.prod(pooled_size((H, W), pool))**2
         dense = 4 * heads * T * x.element_size() <= args.dense_limit_gb * 2**30  # P, logits, grads
         modules = {name: m[:2] for name, m in layers(C, heads, pool, device,
                                                      [(n, device) for n in names], dense,

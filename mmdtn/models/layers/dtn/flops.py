@@ -41,7 +41,7 @@ the factorised ones 2 C T (h + w) = 268 C T.
 The count is that of the paper's statistics; ``reference_compat=True`` (the authors' code) adds a
 per-head RMS pre-normalisation of x that is not counted.
 """
-import math
+from .grid import pooled_size
 
 __all__ = ['dtn_flop_terms', 'dtn_flops']
 
@@ -67,7 +67,7 @@ def dtn_flop_terms(batch, channels, num_heads, hw_shape, pool_size=1, *, dense=F
                          f'pool_size and hw_shape, got batch={batch}, channels={channels}, '
                          f'num_heads={num_heads}, hw_shape={hw_shape}, pool_size={pool_size}')
     n = H * W
-    h, w = math.ceil(H / s), math.ceil(W / s)
+    h, w = pooled_size((H, W), s)
     t = h * w
     return {
         'intra_token': b * (3 * n * c + 3 * n),

@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-__all__ = ['TokenGrid']
+__all__ = ['TokenGrid', 'pooled_size']
+
+
+def pooled_size(hw_shape, pool):
+    """(Hp, Wp) = (ceil(H / s), ceil(W / s)), the cell grid of App. B.1 for tokens on ``hw_shape``
+    = (H, W) and pooling size s (ints, or symbolic ints under dynamic shapes)."""
+    H, W = hw_shape
+    return -(-H // pool), -(-W // pool)
 
 
 @dataclass(frozen=True)
@@ -37,9 +44,9 @@ class TokenGrid:
     pooled: bool = field(init=False, compare=False)
 
     def __post_init__(self):
-        for name, value in (('N', self.H * self.W), ('d', self.C // self.heads),
-                            ('Hp', -(-self.H // self.pool)), ('Wp', -(-self.W // self.pool)),
-                            ('pooled', self.pool > 1)):
+        Hp, Wp = pooled_size((self.H, self.W), self.pool)
+        for name, value in (('N', self.H * self.W), ('d', self.C // self.heads), ('Hp', Hp),
+                            ('Wp', Wp), ('pooled', self.pool > 1)):
             object.__setattr__(self, name, value)
 
     @classmethod

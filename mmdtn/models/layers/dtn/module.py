@@ -8,7 +8,7 @@ from .backends import select_backend
 from .function import inter_token_statistics, no_autocast
 from .gates import (LAYERNORM_GATE_LOGIT, channel_ratios, distance_to_logit, logit_to_distance,
                     share_of_distance)
-from .grid import TokenGrid
+from .grid import TokenGrid, pooled_size
 from .positional import axis_factors, paper_coefficients, positional_matrix
 
 __all__ = ['DynamicTokenNorm', 'LAYERNORM_GATE_LOGIT', 'DTN_INITS', 'GATE_PARAMETERS',
@@ -153,9 +153,7 @@ class DynamicTokenNorm(nn.Module):
 
     def pooled_shape(self, hw_shape):
         """Shape (ceil(H/s), ceil(W/s)) of the grid the inter-token statistics are computed on."""
-        H, W = hw_shape
-        s = self.pool_size
-        return (-(-H // s), -(-W // s))
+        return pooled_size(hw_shape, self.pool_size)
 
     def axis_matrices(self, hw_shape, dtype=None, backend=None):
         """Factors (P_y, P_x) of P^h = P_y^h (kron) P_x^h on the pooled grid (Eq. 6), formed by

@@ -7,11 +7,11 @@ exactly as the equations read, in O(B C T^2) time and O(H T^2) memory. It is the
 tests and benchmarks: every backend of :class:`~mmdtn.models.layers.dtn.DynamicTokenNorm` must
 equal it, forward and backward (autograd of this code), to rounding. Nothing here is fast.
 """
-import math
 
 import torch
 
 from ..reference_compat import PAPER_CONVENTION, group_rms_normalize
+from .grid import pooled_size
 
 __all__ = ['relative_positions', 'dense_positional_matrix', 'pooling_matrix', 'dense_dtn',
            'DenseDynamicTokenNorm']
@@ -39,7 +39,7 @@ def pooling_matrix(H, W, pool_size, dtype=torch.float64, device=None):
     tokens of cell t of the ceil(H / s) x ceil(W / s) grid. Also returns the cell of every token
     (H * W,), for broadcasting the cell statistics back to the tokens."""
     s = pool_size
-    Hp, Wp = math.ceil(H / s), math.ceil(W / s)
+    Hp, Wp = pooled_size((H, W), s)
     rows = torch.arange(H, device=device)[:, None] // s
     cols = torch.arange(W, device=device)[None, :] // s
     cell = (rows * Wp + cols).flatten()
@@ -79,7 +79,7 @@ def dense_dtn(x, hw_shape, weight, bias, mean_gate, var_gate, pos_coef, pool_siz
 
     # App. B.1: the inter-token statistics are computed on average-pooled cells
     M, cell = pooling_matrix(H, W, pool_size, x.dtype, x.device)
-    Hp, Wp = math.ceil(H / pool_size), math.ceil(W / pool_size)
+    Hp, Wp = pooled_size((H, W), pool_size)
     x_cells = torch.einsum('tn,bnc->btc', M, x).view(B, -1, heads, d)  # x^h per head
     if convention.square_of_pooled:
         x2_cells = x_cells * x_cells
