@@ -7,6 +7,23 @@ import pytest
 # has no GPU); set before triton sees its first kernel.
 os.environ.setdefault('TRITON_INTERPRET', '1')
 
+
+def _share_the_cores_between_workers():
+    """Under pytest-xdist, every worker process and the tools it starts use their share of the
+    cores: each would otherwise start a thread per core, and the workers' threads would contend
+    for the same cores. Settings made by hand (OMP_NUM_THREADS) are kept."""
+    workers = int(os.environ.get('PYTEST_XDIST_WORKER_COUNT', '1'))
+    if workers < 2 or 'OMP_NUM_THREADS' in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
+    share = str(max(1, cores // workers))
+    os.environ.update(OMP_NUM_THREADS=share, MKL_NUM_THREADS=share)
+    import torch
+    torch.set_num_threads(int(share))
+
+
+_share_the_cores_between_workers()
+
 from mmdtn import available_backends, get_dtn_backend, set_dtn_backend  # noqa: E402
 
 #: The DTN backends of a CPU machine. 'cpu' needs the kernels that `pip install -e .` builds. The
