@@ -1,6 +1,9 @@
 """Triton's interpreter as the tests run it (:mod:`.backends.triton_interpreter`): the language is
 patched once per function and kernel run, with the results of Triton's own way, and is as it was
-after every run, also after one that fails."""
+after every run, also after one that fails; its int32 overflow checks, whose asserts run only with
+``debug`` on, are off while ``debug`` is off."""
+import dataclasses
+
 import pytest
 import torch
 import triton
@@ -63,3 +66,31 @@ def test_a_failing_run_restores_the_language_and_the_next_run_patches_again():
     assert tl.load is load and triton_interpreter._run_scopes is None
     x = torch.randn(5, 8)
     assert torch.allclose(run(x, 0.5), expected(x, 0.5).expand(3, -1), rtol=1e-6, atol=1e-5)
+
+
+@triton.jit
+def _offset_kernel(out_ptr, base):
+    tl.store(out_ptr + tl.program_id(0), base + tl.program_id(0) * 2)  # int32 arithmetic
+
+
+def test_overflow_checks_are_dropped_where_their_asserts_never_run(monkeypatch):
+    """The backend's import turned the interpreter's int32 overflow checks off (its ``debug`` is
+    off). With them on and ``debug`` off, an int32 sum beyond 2^31 - 1 wraps as without them: the
+    checks were computed for nothing. With ``debug`` on, they stop the run, and are kept."""
+    from triton.runtime.interpreter import interpreter_builder as builder
+
+    options = builder.options
+    assert not options.debug and not options.sanitize_overflow
+    out = torch.zeros(2, dtype=torch.int32)
+    for sanitize in (False, True):
+        monkeypatch.setattr(builder, 'options', dataclasses.replace(
+            options, sanitize_overflow=sanitize))
+        _offset_kernel[(2,)](out, 2**31 - 2)
+        assert out.tolist() == [2**31 - 2, -2**31]
+    monkeypatch.setattr(builder, 'options', dataclasses.replace(
+        options, sanitize_overflow=True, debug=True))
+    assert not triton_interpreter.drop_dead_overflow_checks()  # kept: debug is on
+    _offset_kernel[(2,)](out, 2**31 - 3)  # 2^31 - 3 and 2^31 - 1: no overflow
+    assert out.tolist() == [2**31 - 3, 2**31 - 1]
+    with pytest.raises(InterpreterError, match='overflow'):
+        _offset_kernel[(2,)](out, 2**31 - 2)

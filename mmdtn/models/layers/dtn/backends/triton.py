@@ -34,7 +34,7 @@ import torch
 from ..function import (FormedParameters, Gradients, Saved, TokenMoments, TokenStatistics,
                         define_custom_ops)
 from .base import Backend
-from .triton_interpreter import patch_once_per_run
+from .triton_interpreter import drop_dead_overflow_checks, patch_once_per_run
 
 try:
     from .triton_band import BandFactor
@@ -55,8 +55,9 @@ def interpreting():
     return os.environ.get('TRITON_INTERPRET') == '1'
 
 
-if interpreting():  # Triton's interpreter without its repeated patching (tests, kernel_loads.py)
+if interpreting():  # tests, kernel_loads.py: the interpreter, faster (see triton_interpreter.py)
     patch_once_per_run()
+    drop_dead_overflow_checks()
 
 
 class TritonBackend(Backend):

@@ -1,4 +1,5 @@
-"""Triton's interpreter (``TRITON_INTERPRET=1``) with its language patched once per kernel run.
+"""Triton's interpreter (``TRITON_INTERPRET=1``) with its language patched once per kernel run,
+and without the overflow checks whose asserts it never runs.
 
 The interpreter runs a kernel as Python over NumPy arrays, with ``triton.language`` replaced by
 interpreted versions for the run (``triton.runtime.interpreter._patch_lang``). Triton 3.8 does
@@ -13,10 +14,17 @@ is restored when it ends, however it ends. Results are the same; only the repeat
 Only the interpreter is touched, and only where it has the two internals this relies on
 (``_patch_lang`` and ``GridExecutor.__call__``): elsewhere :func:`patch_once_per_run` does nothing,
 and the interpreter runs as Triton ships it.
+
+The interpreter also redoes every add, subtract and multiply of int32 values in int64 and compares
+the result with int32's range (its ``sanitize_overflow`` option), then hands the comparison to a
+device assert that does nothing unless its ``debug`` option is on, which the interpreter never
+sets. :func:`drop_dead_overflow_checks` turns that computation off where ``debug`` is off: every
+result and error is the same, and the slowest tests took about 40% less time.
 """
+import dataclasses
 import functools
 
-__all__ = ['patch_once_per_run']
+__all__ = ['patch_once_per_run', 'drop_dead_overflow_checks']
 
 #: The scopes of the functions patched in the kernel run now under way, by function; None
 #: outside a run.
@@ -75,3 +83,16 @@ def patch_once_per_run():
         interpreter._patch_lang = _patch_within_run
         executor.__call__ = _one_run(executor.__call__)
     return True
+
+
+def drop_dead_overflow_checks():
+    """Turns off the interpreter's int32 overflow checks where its asserts are off (``debug``; see
+    the module docstring). Idempotent; returns whether the interpreter now runs without them."""
+    try:
+        from triton.runtime.interpreter import interpreter_builder as builder
+        options = builder.options
+        if not options.debug:
+            builder.options = dataclasses.replace(options, sanitize_overflow=False)
+        return not builder.options.sanitize_overflow
+    except (ImportError, AttributeError, TypeError):  # another interpreter: left as it is
+        return False
