@@ -15,7 +15,10 @@ def _share_the_cores_between_workers():
     workers = int(os.environ.get('PYTEST_XDIST_WORKER_COUNT', '1'))
     if workers < 2 or 'OMP_NUM_THREADS' in os.environ:
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
+    if hasattr(os, 'sched_getaffinity'):
+        cores = len(os.sched_getaffinity(0))
+    else:
+        cores = os.cpu_count() or 1
     share = str(max(1, cores // workers))
     os.environ.update(OMP_NUM_THREADS=share, MKL_NUM_THREADS=share)
     import torch
