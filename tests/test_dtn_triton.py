@@ -195,15 +195,17 @@ def test_traffic_with_pooling(backend_setting, C, hw, pool, heads):
     """With pooling (float16 tokens, PVT-Tiny's stage-1 and Swin-T's stage-2 shapes at 800 x 1344,
     counted on meta tensors: recorded, not run) the passes over the tokens move, forward and
     backward, within 3% of what a DTN fused as far as the math allows must move (the rest: their
-    sums for the parameters, per program); the products on the cell grid between them (the band
-    products and PyTorch's operations) add a small multiple of the moments' bytes, which shrink
-    with pool^2."""
+    sums for the parameters, per program); the products on the cell grid between them add about
+    as many bytes as four tensors of the moments forward (P_x T and P_y u, each reading one and
+    writing one) and eight backward (the two transposed products, and the two outer products,
+    which read two each and store nothing: the gradients of the factors are contracted into
+    shares of that of a^h as they are formed), which shrink with pool^2."""
     bounds, counts, x = traffic_on_meta(C, hw, pool, heads)
     tokens = x.shape[:2].numel()
     moments = 2 * C * 4 / pool**2  # T per token: two float32 values per cell and channel
     passes = (('triton.moments', 'triton.output'),
               ('triton.token_gradients', 'triton.input_gradient'))
-    for count, bound, names, products in zip(counts, bounds, passes, (8, 13)):
+    for count, bound, names, products in zip(counts, bounds, passes, (4.5, 8.5)):
         assert set(names) <= set(count.by_kernel), count.by_kernel
         over_tokens = sum(count.by_kernel[k] for k in names) / tokens
         assert bound <= over_tokens <= 1.03 * bound, (count.by_kernel, bound)
@@ -271,9 +273,10 @@ def test_kernel_loads_counts_what_the_interpreted_kernels_load(backend_setting, 
 def test_factors_in_one_launch_equal_the_pytorch_formulation(heads, rows, cols):
     """P_y and P_x from the parameters' kernel (rows in blocks of 16, entries in steps of 64, here
     more than one) equal positional.axis_factors to float32 rounding, with the same exact zeros;
-    the gradient of the coefficients from the backward kernel equals that of the float64
-    formulation to float32 rounding of its sums, also when one factor takes no part in the loss
-    (its gradient zeros)."""
+    the gradient of the coefficients, from the outer products' shares of it (gradients dP of the
+    factors as the products A X^T with X the identity) added up by the backward kernel, equals
+    that of the float64 formulation to float32 rounding of its sums, also when one factor takes
+    no part in the loss (its gradient zeros)."""
     torch.manual_seed(0)
     coef = (paper_coefficients(heads) + 0.2 * torch.randn(heads, 3)).to(DEVICE).requires_grad_()
     gates = torch.zeros(2, heads, device=DEVICE)
@@ -295,11 +298,16 @@ def test_factors_in_one_launch_equal_the_pytorch_formulation(heads, rows, cols):
         loss = sum((p * g.to(p)).sum() for p, g in zip(ps, output_gradients(used)))
         return torch.autograd.grad(loss, wrt, retain_graph=True)[0].double()
 
+    def shares(used):
+        return [triton_band.band_outer(p, dp, torch.eye(p.shape[-1], device=DEVICE)
+                                       .expand_as(p).contiguous(), 1, linear)
+                for p, dp, linear in zip(factors, output_gradients(used), (2, 1))]
+
     for used in ((0, 1), (1, )):
-        want = gradient(expected, coef64, used)
+        want, given = gradient(expected, coef64, used), shares(used)
         with recording_launches() as launches:
             kernel, *_ = triton_parameters.run_parameters_backward(
-                *factors, *output_gradients(used), *gates, torch.zeros_like(ratios), 1, False)
+                given, *gates, torch.zeros_like(ratios), 1, False)
         assert [k.name for k in launches] == ['triton.parameters_backward']
         error = (kernel.double() - want).abs().max()
         pytorch_error = (gradient(pytorch, coef, used) - want).abs().max()
@@ -322,8 +330,8 @@ def test_channel_ratios_in_one_launch_equal_the_pytorch_formulation(layernorm, h
                                                         d, layernorm)
     grad = torch.linspace(-1.0, 2.0, ratios.numel(), device=DEVICE).view_as(ratios)
     _, *kernel_grads = triton_parameters.run_parameters_backward(
-        p_y, p_x, torch.zeros_like(p_y), torch.zeros_like(p_x), *(g.detach() for g in gates),
-        grad, d, layernorm)
+        [torch.zeros(1, heads, 3, device=DEVICE)], *(g.detach() for g in gates), grad, d,
+        layernorm)
     expected = channel_ratios(*gates, d, layernorm, torch.float32)
     assert torch.allclose(ratios, expected, rtol=3e-7, atol=1e-7)
     assert ratios.dtype == torch.float32 and ratios.shape == (4, heads * d)
@@ -335,8 +343,9 @@ def test_channel_ratios_in_one_launch_equal_the_pytorch_formulation(layernorm, h
 
 @pytest.mark.parametrize('L,N,group', [(40, 300, 2), (9, 600, 1)])
 def test_band_products_equal_dense_products(L, N, group):
-    """band_matmul (P X and P^T X) and band_outer (A X^T where P is nonzero, 0 elsewhere, summed
-    over each head's matrices) against dense products, for P with bands of different widths, a
+    """band_matmul (P X and P^T X) and band_outer (G = A X^T where P is nonzero, contracted with
+    Eq. 6's softmax: sum_ij P_ij G_ij (R_ij - Rbar_i) per head, for R = d^2 and d = j - i, in
+    shares that add up to it) against dense products, for P with bands of different widths, a
     zero row, more rows than a program's block, and X with more columns (and summed values) than
     a program's block."""
     torch.manual_seed(L)
@@ -352,9 +361,23 @@ def test_band_products_equal_dense_products(L, N, group):
         out = triton_band.band_matmul(P, X, group, transpose).cpu()
         ref = torch.bmm(dense.transpose(1, 2) if transpose else dense, X.cpu())
         assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
-    G = triton_band.band_outer(P, A, X, group).cpu()
-    ref = torch.bmm(A.cpu(), X.cpu().transpose(1, 2)) * (dense != 0)
-    assert torch.allclose(G, ref.view(3, group, L, L).sum(1), rtol=1e-5, atol=1e-4)
+    G = torch.bmm(A.cpu(), X.cpu().transpose(1, 2)).view(3, group, L, L).sum(1)
+    for linear in (1, 2):
+        shares = triton_band.band_outer(P, A, X, group, linear).cpu()
+        assert shares.shape[1:] == (3, 3)
+        expected = contracted(P.cpu(), G, linear)
+        assert torch.allclose(shares.sum(0), expected, rtol=1e-5, atol=1e-4 * expected.abs().max())
+
+
+def contracted(P, G, linear):
+    """sum_ij P_ij G_ij (R_ij - Rbar_i), Rbar_i = sum_j P_ij R_ij, per head (heads, 3): R = d^2 in
+    slot 0, R = d in slot ``linear``, d = j - i; in float64."""
+    P, G = P.double(), G.double()
+    d = (torch.arange(P.shape[-1])[None, :] - torch.arange(P.shape[-1])[:, None]).double()
+    out = torch.zeros(P.shape[0], 3, dtype=torch.float64)
+    for slot, R in ((0, d * d), (linear, d)):
+        out[:, slot] = (P * G * (R - (P * R).sum(-1, keepdim=True))).sum((1, 2))
+    return out.float()
 
 
 @pytest.mark.parametrize('B,H,W,C,heads', [(2, 5, 19, 12, 3), (1, 1, 1, 4, 1), (3, 7, 4, 10, 5)])
@@ -372,8 +395,8 @@ def test_band_products_form_the_token_moments_where_they_read_them(B, H, W, C, h
     p_x, A, T = p_x.to(DEVICE), A.to(DEVICE), T.to(DEVICE)
     assert torch.allclose(triton_band.band_matmul(p_x, lazy, 1),
                           triton_band.band_matmul(p_x, T, 1), rtol=1e-6, atol=1e-6)
-    assert torch.allclose(triton_band.band_outer(p_x, A, lazy, 1),
-                          triton_band.band_outer(p_x, A, T, 1), rtol=1e-6, atol=1e-5)
+    assert torch.allclose(triton_band.band_outer(p_x, A, lazy, 1, 1),
+                          triton_band.band_outer(p_x, A, T, 1, 1), rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.parametrize('dtype,tol', [(torch.float16, 2e-3), (torch.bfloat16, 2e-2)])

@@ -104,7 +104,8 @@ class StageProducts:
         self.pooled = grid.pooled
         self.T = (triton_kernels.moments(x, centre, grid) if grid.pooled
                   else function.TokenMoments(x, centre, grid))
-        self.factor_y, self.factor_x = triton_band.BandFactor(p_y), triton_band.BandFactor(p_x)
+        self.factor_y = triton_band.BandFactor(p_y, 'y')
+        self.factor_x = triton_band.BandFactor(p_x, 'x')
         self.u, m = function.positional_products(self.T, self.factor_y, self.factor_x, grid,
                                                  variance=False)
         self.dm = torch.randn_like(m)
@@ -122,11 +123,13 @@ class StageProducts:
         if operand == 'transposed':
             return [lambda: function.rows_backward(self.dm, self.factor_y, grid),
                     lambda: self.factor_x.matmul(self.du, transpose=True)]
-        outer_x = lambda: self.factor_x.outer(self.du, function.by_columns(T, grid))  # noqa
+        # the outer products' shares of the gradient of a^h, as many as the tiles make programs,
+        # added up for the comparison
+        outer_x = lambda: self.factor_x.outer(self.du, function.by_columns(T, grid)).sum(0)  # noqa
         if operand == 'outer tokens':
             return [] if self.pooled else [outer_x]
         outer_y = lambda: self.factor_y.outer(function.by_rows(self.dm, grid),  # noqa: E731
-                                              function.by_rows(self.u, grid))
+                                              function.by_rows(self.u, grid)).sum(0)
         return [outer_y] + ([outer_x] if self.pooled else [])
 
 

@@ -137,8 +137,10 @@ class Saved:
 class Gradients:
     """Gradients of the loss for every differentiable input of the layer's core. A backend that
     takes the layer's own parameters (:class:`FormedParameters`) may give, instead of the
-    gradients of P_y and P_x (then None), ``coefficients``: shares (programs, heads, 3) of the
-    gradient of a^h, which add up to it (the Triton backend without pooling)."""
+    gradients of P_y and P_x (then None), ``coefficients``: a list of tensors of shares
+    (programs, heads, 3) of the gradient of a^h, which add up to it (the Triton backend: one from
+    its fused passes, or one from each of its factors, whose ``outer`` contracts the gradient of
+    P with Eq. 6 as it forms it)."""
 
     x: Tensor
     p_y: Optional[Tensor]
@@ -146,7 +148,7 @@ class Gradients:
     ratios: Tensor
     weight: Tensor
     bias: Tensor
-    coefficients: Optional[Tensor] = None
+    coefficients: Optional[list[Tensor]] = None
 
 
 def dtn_forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
@@ -162,7 +164,7 @@ def _forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
     if backend.fuses_products(x, grid, p_x):
         return backend.fused_forward(x, p_y, p_x, ratios, weight, bias, eps, grid, convention)
     stats = backend.statistics(x, grid, convention)
-    factor_y, factor_x = backend.factor(p_y), backend.factor(p_x)
+    factor_y, factor_x = backend.factor(p_y, 'y'), backend.factor(p_x, 'x')
     T = moments(stats, grid)
     u, m = positional_products(T, factor_y, factor_x, grid, not backend.raw_second_moment)
     n_var = convention.ln_divisor(grid.C)
@@ -183,7 +185,7 @@ def _backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convent
     n_var = convention.ln_divisor(C)
     if backend.fuses_products(x, grid, p_x):
         return backend.fused_backward(g, x, saved, p_y, p_x, ratios, weight, eps, n_var, grid)
-    factor_y, factor_x = backend.factor(p_y), backend.factor(p_x)
+    factor_y, factor_x = backend.factor(p_y, 'y'), backend.factor(p_x, 'x')
     if grid.pooled:
         T, u, m = saved.moments, saved.row_products, saved.products
     else:  # T = (x - centre, its square), u and m recomputed
@@ -212,6 +214,9 @@ def _backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convent
     # tokens of the cell and beta, alpha the gradient of Eq. 2 (see ln_gradient)
     dx = backend.input_gradient(tokens, g, x, saved, m, ratios, weight, eps, n_var, d_first,
                                 d_second, grid)
+    if factor_y.contracts:  # the factors' shares of the gradient of a^h, not those of P_y, P_x
+        return Gradients(dx, None, None, *backend.parameter_gradients(sums),
+                         coefficients=[grad_p_y, grad_p_x])
     return Gradients(dx, grad_p_y, grad_p_x, *backend.parameter_gradients(sums))
 
 
@@ -305,7 +310,7 @@ def inter_token_statistics(backend, x, p_y, p_x, grid, convention):
     if stats.mean_ln is None:
         stats.mean_ln, stats.var_ln = ln_statistics(x.float(), convention.ln_divisor(grid.C))
     T = moments(stats, grid)
-    _, m = positional_products(T, backend.factor(p_y), backend.factor(p_x), grid)
+    _, m = positional_products(T, backend.factor(p_y, 'y'), backend.factor(p_x, 'x'), grid)
     first, second = (grid.cells_of(grid.from_head_major(t)) for t in m.unbind(1))
     if not grid.pooled:
         second = (second - first * first).clamp_min(0)

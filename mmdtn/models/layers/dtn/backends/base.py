@@ -79,11 +79,11 @@ class Backend:
         :class:`..function.TokenMoments` where the backend's factors form T as they read it."""
         return moments(TokenStatistics(None, None, centre, grid.cell_means(x), None), grid)
 
-    def factor(self, p):
-        """The products with one positional factor p (heads, L, L): an object with
-        ``matmul(x, transpose=False, inner=None)`` and ``outer(a, x)`` (see
+    def factor(self, p, axis):
+        """The products with one positional factor p (heads, L, L), P_y (``axis`` 'y') or P_x
+        ('x'): an object with ``matmul(x, transpose=False, inner=None)`` and ``outer(a, x)`` (see
         :class:`DenseFactor`)."""
-        return DenseFactor(p)
+        return DenseFactor(p, axis)
 
     def output(self, x, stats, m, ratios, weight, bias, eps, n_var, grid):
         """Eqs. 4-5: y from x, the statistics and the head-major products m (n_var: the divisor of
@@ -124,11 +124,17 @@ class Backend:
 
 
 class DenseFactor:
-    """Products with one positional factor P (heads, L, L) as batched dense matrix products.
-    Batches x (heads * group, L, N) use P[k // group] for matrix k."""
+    """Products with one positional factor P (heads, L, L), P_y (``axis`` 'y') or P_x ('x'), as
+    batched dense matrix products. Batches x (heads * group, L, N) use P[k // group] for matrix
+    k."""
 
-    def __init__(self, p):
-        self.p = p
+    #: whether :meth:`outer` gives the gradient of P contracted with Eq. 6's softmax: shares
+    #: (programs, heads, 3) of the gradient of a^h, which add up to it (the Triton backend's
+    #: factors, whose layer forms P from a^h itself)
+    contracts = False
+
+    def __init__(self, p, axis):
+        self.p, self.axis = p, axis
 
     def _factors(self, x):
         heads, L = self.p.shape[0], self.p.shape[-1]
@@ -152,7 +158,7 @@ class DenseFactor:
 
     def outer(self, a, x):
         """The gradient of P for u = P x and dL/du = a: a x^T summed over the matrices of each
-        head (heads, L, L)."""
+        head (heads, L, L), or, where :attr:`contracts`, its shares of the gradient of a^h."""
         return per_head(torch.bmm(a, x.transpose(1, 2)), self.p.shape[0])
 
 

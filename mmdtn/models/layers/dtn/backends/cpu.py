@@ -39,10 +39,12 @@ BAND_ROWS = 4  # rows per block of the banded kernels (kRows in csrc/band.h)
 class BandedFactor:
     """Products with one positional factor P (heads, L, L) over the nonzero span of every row of P
     (exact: outside it P contributes nothing, and the softmax passes no gradient through a zero
-    weight)."""
+    weight). ``axis``: as :class:`.base.DenseFactor`'s."""
 
-    def __init__(self, p):
-        self.p = p.detach().contiguous()
+    contracts = False
+
+    def __init__(self, p, axis):
+        self.p, self.axis = p.detach().contiguous(), axis
 
     @staticmethod
     def is_banded(p):
@@ -90,8 +92,8 @@ class CpuBackend(Backend):
             return f'x is on {x.device}, not on the CPU'
         return None
 
-    def factor(self, p):
-        return BandedFactor(p) if BandedFactor.is_banded(p) else DenseFactor(p)
+    def factor(self, p, axis):
+        return BandedFactor(p, axis) if BandedFactor.is_banded(p) else DenseFactor(p, axis)
 
     @staticmethod
     def _geometry(grid):

@@ -87,8 +87,8 @@ class TritonBackend(Backend):
             return f'x is on {x.device}; the Triton kernels run on CUDA GPUs'
         return None
 
-    def factor(self, p):
-        return BandFactor(p)
+    def factor(self, p, axis):
+        return BandFactor(p, axis)
 
     def token_moments(self, x, centre, grid):
         return TokenMoments(x, centre, grid)  # formed by the band products where they read it
@@ -111,7 +111,7 @@ class TritonBackend(Backend):
     def fused_backward(self, g, x, saved, p_y, p_x, ratios, weight, eps, n_var, grid):
         dx, sums, shares = fused.fused_backward(g, x, saved.centre, p_y, p_x, ratios, weight, eps,
                                                 n_var, grid)
-        return Gradients(dx, None, None, *self.parameter_gradients(sums), coefficients=shares)
+        return Gradients(dx, None, None, *self.parameter_gradients(sums), coefficients=[shares])
 
     @staticmethod
     def _products(m, grid):

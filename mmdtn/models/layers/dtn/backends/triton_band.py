@@ -16,9 +16,15 @@ from those rows alone (no host synchronisation, no spans stored):
                  columns of X; the block's band in steps of BAND columns, each a small matrix
                  product (``tl.dot`` in float32); Y written as it is or with its blocks of d
                  columns moved ahead of the rows (the layout the next product reads)
-    band_outer   G = A X^T where P is nonzero: a program per matrix, block of rows and chunk of
-                 BLOCK_K of the summed dimension, one column of the band at a time; the
-                 chunks' sums are added up afterwards in a fixed order (no float atomics)
+    band_outer   G = A X^T where P is nonzero, the gradient of P: a program per matrix, block
+                 of rows and chunk of BLOCK_K of the summed dimension, one column of the band at
+                 a time, contracting its part of G with Eq. 6's softmax as it goes (below)
+
+G is never stored. The layer forms P = softmax(a . R) by rows from a^h (Eq. 6), so the gradient of
+a^h is linear in G, sum_ij G_ij P_ij (R_ij - Rbar_i) with Rbar_i = sum_j P_ij R_ij and R = (d^2, d),
+d = j - i: every program gives its share of it, three numbers, which the parameters' backward
+kernel adds up in a fixed order (:mod:`.triton_parameters`; no float atomics). Stored, G took L x L
+values per chunk and matrix, written and then summed by PyTorch.
 
 Measured on an H200 (README, "DTN on GPUs"): ``tl.dot`` took band_matmul to 0.68-0.72x the time of a
 column-at-a-time loop, but band_outer to 1.25-1.65x, so band_outer keeps the loop.
@@ -171,61 +177,88 @@ def band_matmul(p, x, group, transpose=False, inner=None):
     return y
 
 
-@triton.jit(do_not_specialize=['L', 'K', 'group', 'matrices', 'B', 'H', 'C', 'd'])
-def _band_outer_kernel(p_ptr, a_ptr, in_ptr, x_ptr, centre_ptr, out_ptr, L, K, group, matrices,
-                       B, H, C, d, TOKENS: tl.constexpr, ROWS: tl.constexpr,
+@triton.jit(do_not_specialize=['L', 'K', 'group', 'heads', 'linear', 'B', 'H', 'C', 'd'])
+def _band_outer_kernel(p_ptr, a_ptr, in_ptr, x_ptr, centre_ptr, shares_ptr, L, K, group, heads,
+                       linear, B, H, C, d, TOKENS: tl.constexpr, ROWS: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPAN_BLOCK: tl.constexpr):
-    """Chunk ``s`` of the sums G[k, i, j] = sum_c A[k, i, c] X[k, j, c] for rows i of block
-    ``rb`` and the columns j where P[h, i, j] != 0, one column of the band at a time; 0 in the
-    other columns of the rows (every entry written). With TOKENS, X is the T of the tokens x
-    (group 1)."""
+    """Program (k, rb, s): chunk ``s`` of G[k, i, j] = sum_c A[k, i, c] X[k, j, c] for the rows
+    i of block ``rb`` and the columns j where P[h, i, j] != 0, one column of the band at a time,
+    contracted with the softmax of Eq. 6 as it goes: its share of the gradient of a^h (3,),
+    d^2 in slot 0 and d in slot ``linear`` (d = j - i), the other slot 0. With TOKENS, X is the T
+    of the tokens x (group 1)."""
     k, rb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    p_head = p_ptr + (k // group).to(tl.int64) * L * L
+    h = k // group
+    p_head = p_ptr + h.to(tl.int64) * L * L
     rows = rb * ROWS + tl.arange(0, ROWS)
     c = s * BLOCK_K + tl.arange(0, BLOCK_K)
     lo, hi = _band(p_head, rows, L, False, ROWS, SPAN_BLOCK)
     mat = k.to(tl.int64) * L * K
     a = tl.load(a_ptr + mat + rows[:, None] * K + c[None, :],
                 mask=(rows[:, None] < L) & (c[None, :] < K), other=0.0)
-    out = out_ptr + (s * matrices + k).to(tl.int64) * L * L + rows * L
     if TOKENS:
         tokens, centre, second = _token_indices(x_ptr, centre_ptr, k, c, c < K, B, H, L, C, d)
+    # per row i, over its band: sum_j P G (1, d, d^2) and sum_j P (d, d^2), the Rbar_i of Eq. 6
+    weighted = tl.zeros([ROWS], tl.float32)
+    weighted_d = tl.zeros([ROWS], tl.float32)
+    weighted_square = tl.zeros([ROWS], tl.float32)
+    mean_d = tl.zeros([ROWS], tl.float32)
+    mean_square = tl.zeros([ROWS], tl.float32)
     for j in range(lo, hi):
         if TOKENS:
             x_row = _token_moments(tokens, centre, second, j, C, c < K)
         else:
             x_row = tl.load(in_ptr + mat + j * K + c, mask=c < K, other=0.0)
         weights = tl.load(p_head + rows * L + j, mask=rows < L, other=0.0)
-        dots = tl.sum(a * x_row[None, :], axis=1)
-        tl.store(out + j, tl.where(weights != 0, dots, 0.0), mask=rows < L)
-    for start in range(0, L, SPAN_BLOCK):
-        cols = start + tl.arange(0, SPAN_BLOCK)
-        outside = (rows[:, None] < L) & (cols[None, :] < L) & ((cols < lo) | (cols >= hi))[None, :]
-        tl.store(out[:, None] + cols[None, :], tl.zeros([ROWS, SPAN_BLOCK], tl.float32),
-                 mask=outside)
+        offset = (j - rows).to(tl.float32)
+        pg = weights * tl.sum(a * x_row[None, :], axis=1)
+        weighted += pg
+        weighted_d += pg * offset
+        weighted_square += pg * offset * offset
+        mean_d += weights * offset
+        mean_square += weights * offset * offset
+    # dl_ij = P_ij (G_ij - sum_j' P_ij' G_ij') is the gradient of row i's logits, and
+    # sum_j dl_ij R_ij = sum_j P_ij G_ij (R_ij - Rbar_i): linear in G, so chunks and matrices add
+    share_square = tl.sum(weighted_square - mean_square * weighted, axis=0)
+    share_d = tl.sum(weighted_d - mean_d * weighted, axis=0)
+    program = ((k % group) * tl.num_programs(1) + rb) * tl.num_programs(2) + s
+    out = shares_ptr + (program * heads + h) * 3
+    tl.store(out, share_square)
+    tl.store(out + 1, tl.where(linear == 1, share_d, 0.0))
+    tl.store(out + 2, tl.where(linear == 2, share_d, 0.0))
 
 
-def band_outer(p, a, x, group):
-    """A X^T where P is nonzero, 0 elsewhere, summed over the matrices of each head (heads, L, L),
-    for a (heads * group, L, K) contiguous float32 and x as a (float32, or a TokenMoments with
-    group 1)."""
+def band_outer(p, a, x, group, linear):
+    """The gradient of P for u = P X and dL/du = A, G = A X^T where P is nonzero, contracted with
+    the softmax of Eq. 6 into shares (programs, heads, 3) of the gradient of a^h, which add up to
+    it: d^2 in slot 0, d in slot ``linear`` (1 for P_x, 2 for P_y). a (heads * group, L, K)
+    contiguous float32, x as a (float32, or a TokenMoments with group 1)."""
     (n, L, K), tokens, reads, pointers, sizes = _operand(x)
     spec = _outer_spec(tokens)
-    chunks = cdiv(K, spec[1]['BLOCK_K'])
-    partial = torch.empty(chunks, n, L, L, dtype=torch.float32, device=p.device)
-    launch('triton.band_outer', spec, (n, cdiv(L, spec[1]['ROWS']), chunks), [p, a, *reads],
-           [partial], p, a, *pointers, partial, L, K, group, n, *sizes)
-    return partial.view(chunks, -1, group, L, L).sum((0, 2))
+    grid = (n, cdiv(L, spec[1]['ROWS']), cdiv(K, spec[1]['BLOCK_K']))
+    heads = n // group
+    shares = torch.empty(group * grid[1] * grid[2], heads, 3, dtype=torch.float32,
+                         device=p.device)
+    launch('triton.band_outer', spec, grid, [p, a, *reads], [shares], p, a, *pointers, shares, L,
+           K, group, heads, linear, *sizes)
+    return shares
 
 
 class BandFactor(DenseFactor):
-    """:class:`.base.DenseFactor` with the products over the nonzero band of P (float32)."""
+    """:class:`.base.DenseFactor` with the products over the nonzero band of P (float32), P_y's
+    (``axis`` 'y') or P_x's ('x'); :meth:`outer` gives the gradient of P contracted: shares of
+    the gradient of a^h (:func:`band_outer`)."""
+
+    contracts = True
+
+    def __init__(self, p, axis):
+        super().__init__(p, axis)
+        self.linear = 2 if axis == 'y' else 1
 
     def matmul(self, x, transpose=False, inner=None):
         return band_matmul(self.p.contiguous(), x, self._group(x), transpose, inner)
 
     def outer(self, a, x):
-        return band_outer(self.p.contiguous(), a.contiguous(), x, self._group(x))
+        return band_outer(self.p.contiguous(), a.contiguous(), x, self._group(x), self.linear)
 
     def _group(self, x):
         return 1 if isinstance(x, TokenMoments) else x.shape[0] // self.p.shape[0]

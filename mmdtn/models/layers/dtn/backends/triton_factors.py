@@ -11,13 +11,12 @@ of its bytes. Here a program forms ROWS rows of a factor from the coefficients a
 truncated as :func:`..positional.truncated_softmax` (weights below eps(float32) 2^-26 of the row
 maximum are exact zeros), in chunks of ``BLOCK`` entries, so that any L runs with one compiled
 kernel: the logits are recomputed for the row maximum, the row sum and the store instead of being
-read (:func:`_factor_rows`). Backward, a program per head adds up the gradient of its coefficients
-over the rows of both factors in a fixed order (deterministic, no atomics): with
-dl = P (dP - sum_j P dP) the gradient of the logits, da1 = sum d^2 dl over both factors,
-da2 = sum d dl over P_x, da3 over P_y (:func:`_coefficient_gradient`). Without pooling the fused
-backward pass (:mod:`.triton_fused`) forms no gradients of the factors: its programs contract their
-shares of them with the softmax as they go, and a program per head adds those shares up
-(:func:`_coefficient_shares`).
+read (:func:`_factor_rows`). Backward needs no gradients of the factors: with dl = P (dP - sum_j
+P dP) the gradient of the logits, da1 = sum d^2 dl over both factors, da2 = sum d dl over P_x and
+da3 over P_y, linear in dP, and the programs that form dP (the fused passes, :mod:`.triton_fused`,
+and the outer products, :mod:`.triton_band`) contract their shares of it as they go. A program per
+head adds those shares up in a fixed order (:func:`_coefficient_shares`; deterministic, no
+atomics).
 """
 import torch
 import triton
@@ -85,44 +84,9 @@ def _factor_rows(coef_ptr, p_y_ptr, p_x_ptr, h, b, rows, cols, ROWS: tl.constexp
 
 
 @triton.jit
-def _coefficient_gradient(p_y_ptr, p_x_ptr, grad_y_ptr, grad_x_ptr, grad_coef_ptr, h, rows, cols,
-                          ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """The gradient (3,) of a^h from the gradients of P_y^h and P_x^h."""
-    d_square = tl.zeros((ROWS, ), tl.float32)
-    d_lin_y = tl.zeros((ROWS, ), tl.float32)
-    d_lin_x = tl.zeros((ROWS, ), tl.float32)
-    for b in range(0, tl.cdiv(rows, ROWS) + tl.cdiv(cols, ROWS)):
-        in_x, i, length = _rows(b, rows, cols, ROWS)
-        first = tl.where(in_x, h * cols * cols, h * rows * rows)
-        p_ptr = tl.where(in_x, p_x_ptr, p_y_ptr) + first
-        g_ptr = tl.where(in_x, grad_x_ptr, grad_y_ptr) + first
-        inner = tl.zeros((ROWS, ), tl.float32)  # sum_j P dP of each row
-        for start in range(0, length, BLOCK):
-            k, d, inside = _entries(i, start, length, BLOCK)
-            at = i[:, None] * length + k[None, :]
-            inner += tl.sum(tl.load(p_ptr + at, mask=inside, other=0.0) *
-                            tl.load(g_ptr + at, mask=inside, other=0.0), axis=1)
-        row_square = tl.zeros((ROWS, ), tl.float32)
-        row_lin = tl.zeros((ROWS, ), tl.float32)
-        for start in range(0, length, BLOCK):
-            k, d, inside = _entries(i, start, length, BLOCK)
-            at = i[:, None] * length + k[None, :]
-            p = tl.load(p_ptr + at, mask=inside, other=0.0)
-            logit_grad = p * (tl.load(g_ptr + at, mask=inside, other=0.0) - inner[:, None])
-            row_square += tl.sum(logit_grad * (d * d), axis=1)
-            row_lin += tl.sum(logit_grad * d, axis=1)
-        d_square += row_square
-        d_lin_x += tl.where(in_x, row_lin, 0.0)
-        d_lin_y += tl.where(in_x, 0.0, row_lin)
-    tl.store(grad_coef_ptr + 3 * h, tl.sum(d_square, axis=0))
-    tl.store(grad_coef_ptr + 3 * h + 1, tl.sum(d_lin_x, axis=0))
-    tl.store(grad_coef_ptr + 3 * h + 2, tl.sum(d_lin_y, axis=0))
-
-
-@triton.jit
-def _coefficient_shares(shares_ptr, grad_coef_ptr, h, programs, BLOCK: tl.constexpr):
-    """The gradient (3,) of a^h from the programs' shares (programs, heads, 3) of it, added up
-    over the programs in a fixed order, BLOCK at a time."""
+def _coefficient_shares(shares_ptr, h, programs, BLOCK: tl.constexpr):
+    """The sum of the programs' shares (programs, heads, 3) of the gradient of a^h, added up over
+    the programs in a fixed order, BLOCK at a time: (4,), the last 0."""
     heads = tl.num_programs(0)
     k = tl.arange(0, 4)
     total = tl.zeros([BLOCK, 4], tl.float32)
@@ -131,7 +95,7 @@ def _coefficient_shares(shares_ptr, grad_coef_ptr, h, programs, BLOCK: tl.conste
         at = ((p * heads + h) * 3)[:, None] + k[None, :]
         total += tl.load(shares_ptr + at, mask=(p < programs)[:, None] & (k < 3)[None, :],
                          other=0.0)
-    tl.store(grad_coef_ptr + 3 * h + k, tl.sum(total, axis=0), mask=k < 3)
+    return tl.sum(total, axis=0)
 
 
 def row_blocks(rows, cols):

@@ -4,7 +4,7 @@ backward pass in two, with nothing of the products stored but dL/dm (Shao et al.
 
 Without pooling the staged passes (:mod:`..function`) write and read u = P_x T and m = P_y u
 forward and u, m, dL/du and dL/dT again backward, float32 tensors of two moments per channel and
-token (with 16-bit tokens four times x's bytes each): 9.5x LayerNorm's bytes forward and 22.6x
+token (with 16-bit tokens four times x's bytes each): 9.5x LayerNorm's bytes forward and 21.2x
 backward (``benchmark_norm.py --tables traffic``). Here a program holds TOKENS tokens w of one token
 row i of one image (:data:`TILES`) and forms, head by head, over the nonzero band of both factors
 (:func:`.triton_band._band`, found from P on the device), BAND token columns s at a time

@@ -1,15 +1,15 @@
 """The small tensors a Triton DynamicTokenNorm layer forms from its parameters, one launch forward
 and one backward: the positional factors P_y^h, P_x^h from the coefficients a^h (Eq. 6,
 :mod:`.triton_factors`) and the per-channel ratios lambda, 1 - lambda from the gates (Eq. 5,
-:mod:`.triton_ratios`).
+:mod:`.triton_ratios`); backward, the gradients of a^h from the shares of it that the layer's
+programs give, and those of the gates.
 
 At batch 2 a layer on a GPU waits for the host to launch its kernels (README, "DTN on GPUs"), so
 the two run in one kernel each way, a program per head and block of factor rows, plus one per
-head for its ratios; backward, a program per head forms the gradients of its a^h and of its two
-gates (sums in a fixed order: deterministic). :class:`KernelParameters` runs them inside the
-Triton backend's layer op.
+head for its ratios; backward, a program per head adds up the shares of the gradient of its a^h
+and forms those of its two gates (sums in a fixed order: deterministic). :class:`KernelParameters`
+runs them inside the Triton backend's layer op.
 """
-from typing import Optional
 
 import torch
 import triton
@@ -38,20 +38,18 @@ def _parameters_kernel(coef_ptr, mean_ptr, var_ptr, p_y_ptr, p_x_ptr, ratios_ptr
         factors._factor_rows(coef_ptr, p_y_ptr, p_x_ptr, h, b, rows, cols, ROWS, BLOCK, CUTOFF)
 
 
-@triton.jit(do_not_specialize=['rows', 'cols', 'C', 'd', 'programs'])
-def _parameters_backward_kernel(p_y_ptr, p_x_ptr, grad_y_ptr, grad_x_ptr, shares_ptr, mean_ptr,
-                                var_ptr, grad_ratios_ptr, grad_coef_ptr, grad_mean_ptr,
-                                grad_var_ptr, rows, cols, C, d, programs, ROWS: tl.constexpr,
-                                BLOCK: tl.constexpr, LAYERNORM: tl.constexpr,
-                                CHANNELS: tl.constexpr, SHARES: tl.constexpr):
-    """Program h: the gradients of a^h (3,) and of head h's two gates, from those of P_y^h, P_x^h
-    (or with SHARES from the programs' shares of the gradient of a^h) and the ratios (4, C)."""
+@triton.jit(do_not_specialize=['C', 'd', 'programs', 'other_programs'])
+def _parameters_backward_kernel(shares_ptr, other_shares_ptr, mean_ptr, var_ptr, grad_ratios_ptr,
+                                grad_coef_ptr, grad_mean_ptr, grad_var_ptr, C, d, programs,
+                                other_programs, BLOCK: tl.constexpr, LAYERNORM: tl.constexpr,
+                                CHANNELS: tl.constexpr):
+    """Program h: the gradients of a^h (3,), from two tensors of programs' shares (programs,
+    heads, 3) of it, and of head h's two gates, from those of the ratios (4, C)."""
     h = tl.program_id(0)
-    if SHARES:
-        factors._coefficient_shares(shares_ptr, grad_coef_ptr, h, programs, BLOCK)
-    else:
-        factors._coefficient_gradient(p_y_ptr, p_x_ptr, grad_y_ptr, grad_x_ptr, grad_coef_ptr, h,
-                                      rows, cols, ROWS, BLOCK)
+    k = tl.arange(0, 4)
+    total = (factors._coefficient_shares(shares_ptr, h, programs, BLOCK)
+             + factors._coefficient_shares(other_shares_ptr, h, other_programs, BLOCK))
+    tl.store(grad_coef_ptr + 3 * h + k, total, mask=k < 3)
     ratios._gate_gradient(mean_ptr, grad_ratios_ptr, grad_mean_ptr, h, C, d, LAYERNORM, CHANNELS)
     ratios._gate_gradient(var_ptr, grad_ratios_ptr + 2 * C, grad_var_ptr, h, C, d, LAYERNORM,
                           CHANNELS)
@@ -63,19 +61,16 @@ def _parameters_spec(layernorm):
                                     CHANNELS=ratios.BLOCK), 4
 
 
-def _parameters_backward_spec(layernorm, shares=False):
-    return _parameters_backward_kernel, dict(ROWS=factors.ROWS, BLOCK=factors.BLOCK,
-                                             LAYERNORM=layernorm, CHANNELS=ratios.BLOCK,
-                                             SHARES=shares), 4
+def _parameters_backward_spec(layernorm):
+    return _parameters_backward_kernel, dict(BLOCK=factors.BLOCK, LAYERNORM=layernorm,
+                                             CHANNELS=ratios.BLOCK), 4
 
 
 def specializations():
     """The compiled kernels of the parameters, as (kernel, constexprs, num_warps): one per
-    ``init`` and direction, backward also from the fused backward pass's shares of the gradient
-    of a^h (:mod:`.triton_fused`); the same for every layer and grid."""
+    ``init`` and direction; the same for every layer and grid."""
     return [spec for layernorm in (False, True)
-            for spec in (_parameters_spec(layernorm), _parameters_backward_spec(layernorm),
-                         _parameters_backward_spec(layernorm, True))]
+            for spec in (_parameters_spec(layernorm), _parameters_backward_spec(layernorm))]
 
 
 # ---------------------------------------------------------------------------- the launches
@@ -101,36 +96,31 @@ def run_parameters(pos_coef: Tensor, mean_gate: Tensor, var_gate: Tensor, rows: 
     return p_y, p_x, channel_ratios
 
 
-def run_parameters_backward(p_y: Tensor, p_x: Tensor, grad_y: Optional[Tensor],
-                            grad_x: Optional[Tensor], mean_gate: Tensor, var_gate: Tensor,
-                            grad_ratios: Tensor, d: int, layernorm: bool,
-                            shares: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """The gradients of a^h (heads, 3) and of the two gates from those of P_y, P_x (or, given
-    instead, the programs' ``shares`` (programs, heads, 3) of the gradient of a^h) and the ratios
+def run_parameters_backward(shares: list[Tensor], mean_gate: Tensor, var_gate: Tensor,
+                            grad_ratios: Tensor, d: int,
+                            layernorm: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of a^h (heads, 3), in the gates' dtype, from one or two tensors of the
+    programs' ``shares`` (programs, heads, 3) of it (contiguous float32; the fused passes give
+    one, the factors' outer products one each), and of the two gates from that of the ratios
     (contiguous float32): one launch."""
-    heads, rows, cols = p_y.shape[0], p_y.shape[1], p_x.shape[1]
-    grad_coef = p_y.new_empty(heads, 3)
+    first, *other = shares
+    other = other[0] if other else first[:0]
+    heads = first.shape[1]
+    grad_coef = mean_gate.new_empty(heads, 3)
     grad_mean, grad_var = torch.empty_like(mean_gate), torch.empty_like(var_gate)
-    if shares is None:
-        grad_y, grad_x = grad_y.contiguous(), grad_x.contiguous()
-        gradients, programs = [grad_y, grad_x], 0
-        pointers = [grad_y, grad_x, grad_y]
-    else:
-        gradients, programs = [shares], shares.shape[0]
-        pointers = [p_y, p_x, shares]
-    launch('triton.parameters_backward', _parameters_backward_spec(layernorm, shares is not None),
-           (heads, ), [p_y, p_x, *gradients, mean_gate, var_gate, grad_ratios],
-           [grad_coef, grad_mean, grad_var], p_y, p_x, *pointers, mean_gate, var_gate,
-           grad_ratios, grad_coef, grad_mean, grad_var, rows, cols, heads * d, d, programs)
+    launch('triton.parameters_backward', _parameters_backward_spec(layernorm), (heads, ),
+           [first, other, mean_gate, var_gate, grad_ratios], [grad_coef, grad_mean, grad_var],
+           first, other, mean_gate, var_gate, grad_ratios, grad_coef, grad_mean, grad_var,
+           heads * d, d, first.shape[0], other.shape[0])
     return grad_coef, grad_mean, grad_var
 
 
 class KernelParameters(FormedParameters):
     """The Triton layer op takes the layer's own parameters, a^h (heads, 3) and the gates
     (heads,) each, and forms P_y, P_x and the ratios inside (:func:`run_parameters`); backward
-    keeps the three and turns their gradients into those of a^h and the gates
-    (:func:`run_parameters_backward`), or adds up the shares of the gradient of a^h that the fused
-    backward pass gives instead of those of P_y and P_x (:class:`..function.Gradients`)."""
+    keeps the three, adds up the shares of the gradient of a^h that the backward pass gives
+    instead of the gradients of P_y and P_x (:class:`..function.Gradients`), and turns that of
+    the ratios into those of the gates (:func:`run_parameters_backward`)."""
 
     def form(self, pos_coef, mean_gate, var_gate, grid, layernorm):
         return run_parameters(pos_coef, mean_gate, var_gate, grid.Hp, grid.Wp, grid.d, layernorm)
@@ -145,7 +135,5 @@ class KernelParameters(FormedParameters):
         return kept
 
     def gradients(self, inputs, formed, grads, grid, layernorm):
-        p_y, p_x, _ = formed
-        return run_parameters_backward(p_y, p_x, grads.p_y, grads.p_x, *inputs[1:],
-                                       grads.ratios.contiguous(), grid.d, layernorm,
-                                       grads.coefficients)
+        return run_parameters_backward(grads.coefficients, *inputs[1:], grads.ratios.contiguous(),
+                                       grid.d, layernorm)
