@@ -27,7 +27,8 @@ from mmdtn.models.layers.dtn.backends.base import Backend, recording_launches
 from mmdtn.models.layers.dtn.function import TokenMoments
 from mmdtn.models.layers.dtn.gates import channel_ratios
 from mmdtn.models.layers.dtn.grid import TokenGrid
-from mmdtn.models.layers.dtn.positional import axis_factors, paper_coefficients
+from mmdtn.models.layers.dtn.positional import (axis_factors, paper_coefficients,
+                                                relative_offsets)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -373,7 +374,7 @@ def contracted(P, G, linear):
     """sum_ij P_ij G_ij (R_ij - Rbar_i), Rbar_i = sum_j P_ij R_ij, per head (heads, 3): R = d^2 in
     slot 0, R = d in slot ``linear``, d = j - i; in float64."""
     P, G = P.double(), G.double()
-    d = (torch.arange(P.shape[-1])[None, :] - torch.arange(P.shape[-1])[:, None]).double()
+    d = relative_offsets(P.shape[-1], P.device, torch.float64)
     out = torch.zeros(P.shape[0], 3, dtype=torch.float64)
     for slot, R in ((0, d * d), (linear, d)):
         out[:, slot] = (P * G * (R - (P * R).sum(-1, keepdim=True))).sum((1, 2))
