@@ -15,9 +15,11 @@ and the outer products of both kinds), each candidate is:
    first candidate (the current tiles) to 1e-4 of their largest value;
 3. timed: the best of 3 blocks of ``--iters`` calls, CUDA events.
 
-The fastest by the sum over the stages wins. Usage::
+The fastest by the sum over the stages wins; each operand's table is printed as soon as it is
+tuned, and the tile tables at the end. Usage::
 
-    python tools/analysis/tune_band_tiles.py --device cuda [--stages pvt_tiny:3 swin_t:3]
+    python tools/analysis/tune_band_tiles.py --device cuda [--stages pvt_tiny:3 swin_t:3] \
+        [--operands 'outer matrices' 'outer tokens']
 
 With ``TRITON_INTERPRET=1`` and ``--device cpu --shrink 20 --candidates 2`` it runs in Triton's
 interpreter on grids 20 times smaller (a check of the tool; the times mean nothing).
@@ -212,6 +214,8 @@ def main():
     parser.add_argument('--dtype', default='float16', choices=sorted(DTYPES))
     parser.add_argument('--batch', type=int, default=2)
     parser.add_argument('--iters', type=int, default=10)
+    parser.add_argument('--operands', nargs='+', choices=list(OPERANDS), default=None,
+                        help='tune only these operands (default: all)')
     parser.add_argument('--candidates', type=int, default=None,
                         help='only the first N candidates of every operand')
     parser.add_argument('--shrink', type=int, default=1,
@@ -229,19 +233,16 @@ def main():
         stages[stage_label(model, stage, C, H, W, pool)] = StageProducts(
             C, H, W, pool, heads, args.batch, DTYPES[args.dtype], device)
     name = torch.cuda.get_device_name(device) if device.type == 'cuda' else device.type
-    count = args.candidates
-    progress = tqdm(total=sum(len(candidates(operand, count)) for operand in OPERANDS),
-                    desc='candidates')
-    report = []
-    for operand in OPERANDS:
-        rows, best = tune(operand, stages, device, arch, args.dtype, args.iters, count, progress)
-        report.append((operand, rows, best))
-    progress.close()
+    count, operands = args.candidates, args.operands or list(OPERANDS)
     checked = 'not checked for spills (interpreter)' if interpreting() else f'sm_{arch}'
-    print(f'\nBand products on {name} ({checked}), {args.dtype} tokens, batch {args.batch}: '
+    print(f'Band products on {name} ({checked}), {args.dtype} tokens, batch {args.batch}: '
           f'us per call of each stage\'s products, best of 3 x {args.iters}')
-    print('stages: ' + ', '.join(stages))
-    for operand, rows, best in report:
+    print('stages: ' + ', '.join(stages), flush=True)
+    progress = tqdm(total=sum(len(candidates(operand, count)) for operand in operands),
+                    desc='candidates')
+    for operand in operands:
+        rows, best = tune(operand, stages, device, arch, args.dtype, args.iters, count, progress)
+        progress.clear()
         print(f'\n{operand}')
         for tiles, total, times, difference in rows:
             shown = ', '.join(f'{k}={v}' for k, v in tiles.items())
@@ -250,7 +251,8 @@ def main():
                 continue
             mark = '  <- fastest' if tiles == best else ''
             print(f'  {shown:<54} {total:9.1f} us = ' + ' + '.join(f'{t:.1f}' for t in times)
-                  + f'  (difference {difference:.1e}){mark}')
+                  + f'  (difference {difference:.1e}){mark}', flush=True)
+    progress.close()
     print('\n' + tables_literal())
 
 

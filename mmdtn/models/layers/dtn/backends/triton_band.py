@@ -57,8 +57,8 @@ MATMUL_TILES = {
     'tokens': dict(ROWS=16, BAND=16, BLOCK_N=64, STAGES=1, warps=4),
 }
 OUTER_TILES = {
-    'matrices': dict(ROWS=8, BLOCK_K=256, warps=4),
-    'tokens': dict(ROWS=8, BLOCK_K=256, warps=4),
+    'matrices': dict(ROWS=8, BLOCK_K=512, warps=4),
+    'tokens': dict(ROWS=4, BLOCK_K=512, warps=4),
 }
 #: Entries of P one step of the search for the band reads.
 SPAN_BLOCK = 64
