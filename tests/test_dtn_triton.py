@@ -664,7 +664,8 @@ def test_kernels_compile_for_sm90_without_spills():
 def test_tile_tuning_tool():
     """tools/analysis/tune_band_tiles.py, in the interpreter on grids 20 times smaller, two
     candidates per operand: every candidate's products equal the current tiles', the fastest of
-    each operand is marked, and the tables are printed as Python source; without the interpreter
+    each operand is marked, and the tables are printed as Python source; ``--operands`` tunes
+    only the operands named; without the interpreter
     its spill check compiles a candidate for sm_90 (no GPU)."""
     out = subprocess.run([sys.executable, 'tools/analysis/tune_band_tiles.py', '--device', 'cpu',
                           '--shrink', '20', '--candidates', '2', '--iters', '1', '--stages',
@@ -673,7 +674,8 @@ def test_tile_tuning_tool():
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     assert 'not checked for spills (interpreter)' in text
-    for operand in ('matrices', 'transposed', 'tokens', 'outer matrices', 'outer tokens'):
+    operands = ('matrices', 'transposed', 'tokens', 'outer matrices', 'outer tokens')
+    for operand in operands:
         section = text.split(f'\n{operand}\n')[1].split('\n\n')[0].splitlines()
         assert len(section) == 2 and sum('<- fastest' in line for line in section) == 1, text
         differences = [float(line.split('(difference ')[1].split(')')[0]) for line in section]
@@ -682,6 +684,15 @@ def test_tile_tuning_tool():
     exec(text[text.index('MATMUL_TILES = {'):], namespace)
     assert set(namespace['MATMUL_TILES']) == {'matrices', 'transposed', 'tokens'}
     assert set(namespace['OUTER_TILES']) == {'matrices', 'tokens'}
+    # --operands tunes only those named; the tables still print in full
+    out = subprocess.run([sys.executable, 'tools/analysis/tune_band_tiles.py', '--device', 'cpu',
+                          '--shrink', '20', '--candidates', '1', '--iters', '1', '--stages',
+                          'pvt_tiny:3', '--operands', 'outer tokens'], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600,
+                         env={**os.environ, 'TRITON_INTERPRET': '1'})
+    assert out.returncode == 0, out.stderr[-3000:]
+    tuned = [line for line in out.stdout.splitlines() if line in operands]
+    assert tuned == ['outer tokens'] and 'OUTER_TILES = {' in out.stdout, out.stdout
     env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
     check = subprocess.run([sys.executable, '-c', 'import tune_band_tiles as t; '
                             'print(t.spills("tokens", 90, "float16"))'],
