@@ -665,8 +665,8 @@ def test_tile_tuning_tool():
     """tools/analysis/tune_band_tiles.py, in the interpreter on grids 20 times smaller, two
     candidates per operand: every candidate's products equal the current tiles', the fastest of
     each operand is marked, and the tables are printed as Python source; ``--operands`` tunes
-    only the operands named; without the interpreter
-    its spill check compiles a candidate for sm_90 (no GPU)."""
+    only the operands named; without the interpreter its spill check compiles a candidate for
+    sm_90 (no GPU)."""
     out = subprocess.run([sys.executable, 'tools/analysis/tune_band_tiles.py', '--device', 'cpu',
                           '--shrink', '20', '--candidates', '2', '--iters', '1', '--stages',
                           'pvt_tiny:2', 'pvt_tiny:3'], cwd=ROOT, capture_output=True, text=True,
