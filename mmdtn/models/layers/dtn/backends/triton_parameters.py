@@ -103,7 +103,10 @@ def run_parameters_backward(shares: list[Tensor], mean_gate: Tensor, var_gate: T
     programs' ``shares`` (programs, heads, 3) of it (contiguous float32; the fused passes give
     one, the factors' outer products one each), and of the two gates from that of the ratios
     (contiguous float32): one launch."""
-    first, other = shares if len(shares) == 2 else (*shares, shares[0][:0])  # 3+: an error
+    if len(shares) not in (1, 2):
+        raise ValueError(f'the gradient of a^h is added up from one or two tensors of shares, '
+                         f'got {len(shares)}')
+    first, other = shares if len(shares) == 2 else (shares[0], shares[0][:0])
     heads = first.shape[1]
     grad_coef = mean_gate.new_empty(heads, 3)
     grad_mean, grad_var = torch.empty_like(mean_gate), torch.empty_like(var_gate)
