@@ -342,6 +342,15 @@ def test_channel_ratios_in_one_launch_equal_the_pytorch_formulation(layernorm, h
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6 * b.abs().max().item())
 
 
+def test_parameters_backward_takes_one_or_two_tensors_of_shares():
+    """The shares of the gradient of a^h come from the fused passes (one tensor) or the two
+    factors' outer products; any other count is refused before a launch, naming it."""
+    shares = [torch.zeros(1, 2, 3, device=DEVICE)] * 3
+    gate = torch.zeros(2, device=DEVICE)
+    with pytest.raises(ValueError, match='one or two tensors of shares, got 3'):
+        triton_parameters.run_parameters_backward(shares, gate, gate, torch.zeros(4, 2), 1, False)
+
+
 @pytest.mark.parametrize('L,N,group', [(40, 300, 2), (9, 600, 1)])
 def test_band_products_equal_dense_products(L, N, group):
     """band_matmul (P X and P^T X) and band_outer (G = A X^T where P is nonzero, contracted with
@@ -667,10 +676,13 @@ def test_tile_tuning_tool():
     each operand is marked, and the tables are printed as Python source; ``--operands`` tunes
     only the operands named; without the interpreter its spill check compiles a candidate for
     sm_90 (no GPU)."""
-    out = subprocess.run([sys.executable, 'tools/analysis/tune_band_tiles.py', '--device', 'cpu',
-                          '--shrink', '20', '--candidates', '2', '--iters', '1', '--stages',
-                          'pvt_tiny:2', 'pvt_tiny:3'], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600, env={**os.environ, 'TRITON_INTERPRET': '1'})
+    def interpreted(*args):
+        return subprocess.run([sys.executable, 'tools/analysis/tune_band_tiles.py', '--device',
+                               'cpu', '--shrink', '20', '--iters', '1', *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=600,
+                              env={**os.environ, 'TRITON_INTERPRET': '1'})
+
+    out = interpreted('--candidates', '2', '--stages', 'pvt_tiny:2', 'pvt_tiny:3')
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     assert 'not checked for spills (interpreter)' in text
@@ -685,11 +697,7 @@ def test_tile_tuning_tool():
     assert set(namespace['MATMUL_TILES']) == {'matrices', 'transposed', 'tokens'}
     assert set(namespace['OUTER_TILES']) == {'matrices', 'tokens'}
     # --operands tunes only those named; the tables still print in full
-    out = subprocess.run([sys.executable, 'tools/analysis/tune_band_tiles.py', '--device', 'cpu',
-                          '--shrink', '20', '--candidates', '1', '--iters', '1', '--stages',
-                          'pvt_tiny:3', '--operands', 'outer tokens'], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600,
-                         env={**os.environ, 'TRITON_INTERPRET': '1'})
+    out = interpreted('--candidates', '1', '--stages', 'pvt_tiny:3', '--operands', 'outer tokens')
     assert out.returncode == 0, out.stderr[-3000:]
     tuned = [line for line in out.stdout.splitlines() if line in operands]
     assert tuned == ['outer tokens'] and 'OUTER_TILES = {' in out.stdout, out.stdout
