@@ -52,8 +52,8 @@ __all__ = ['BandFactor', 'band_matmul', 'band_outer', 'specializations']
 #: step over the band; BLOCK_N: columns of X per program; STAGES: steps over the band in flight;
 #: BLOCK_K (band_outer): values of the summed dimension per program.
 MATMUL_TILES = {
-    'matrices': dict(ROWS=16, BAND=32, BLOCK_N=128, STAGES=1, warps=4),
-    'transposed': dict(ROWS=16, BAND=16, BLOCK_N=256, STAGES=2, warps=8),
+    'matrices': dict(ROWS=16, BAND=16, BLOCK_N=128, STAGES=1, warps=4),
+    'transposed': dict(ROWS=8, BAND=16, BLOCK_N=256, STAGES=2, warps=4),
     'tokens': dict(ROWS=16, BAND=16, BLOCK_N=64, STAGES=1, warps=4),
 }
 OUTER_TILES = {

@@ -71,12 +71,12 @@ EXPONENT_POINTERS = ('exponent_ptr',)
 
 #: Whether the passes without pooling run fused: by default; ``MMDTN_TRITON_FUSED=0`` runs the
 #: staged passes (read at import). On an H200 (README, "Measured on an H200"; float16 tokens, batch
-#: 2, PVT-Tiny's and Swin-T's stages 3 and 4) the fused passes took 0.97-1.46x the staged ones' GPU
-#: time but 0.54-0.63x their host time (7 launches and operations a call instead of 17), and a
-#: call, which at batch 2 waits for the host, 0.69-0.80x the time; and a third of the memory.
+#: 2, PVT-Tiny's and Swin-T's stages 3 and 4) the fused passes took 1.04-1.62x the staged ones' GPU
+#: time but 0.48-0.52x their host time (7 launches and operations a call instead of 15), and a
+#: call, which at batch 2 waits for the host, 0.58-0.72x the time; and a third of the memory.
 ENABLED = os.environ.get('MMDTN_TRITON_FUSED', '1') != '0'
 #: The widest heads the fused passes take: up to 64 channels all three compile without spills on
-#: sm_90 (on sm_80 the token gradients' tile for 64 spills 24-48 bytes; :data:`TILES`); for 128
+#: sm_90 (on sm_80 the token gradients' tile for 32 spills 116-124 bytes; :data:`TILES`); for 128
 #: the token-gradients kernel spilled 16 bytes or more with every tile tried. Wider heads run the
 #: staged passes.
 MAX_HEAD_CHANNELS = 64
@@ -85,15 +85,32 @@ MAX_HEAD_CHANNELS = 64
 #: 2, 4 or 8 warps, these took the least GPU time at PVT-Tiny's and Swin-T's stages 3 and 4
 #: without spilling on sm_90 (``compile_kernels.py``). For heads of 64 channels 16 tokens with 4
 #: warps in the token gradients (8 before) and 16 with 8 in the output (32 before) took PVT-Tiny's
-#: stage 3 from 1.08 to 0.82 ms; the token gradients spill 24-48 bytes there on sm_80. The input
-#: gradient, which forms the parameter sums, takes 32 tokens for both widths: it writes them half
-#: as often per token; over several token rows (:data:`PROGRAMS`) it holds the sums across them,
-#: and for heads of 64 channels spilled 136-552 bytes with 4 warps (5% faster on the H200 all the
-#: same) and none with 8. The tokens are the rows of P_x in one tl.dot (at least 16).
+#: stage 3 from 1.08 to 0.82 ms. For heads of 32 channels the token gradients take 2 warps: with
+#: their sums reduced once per band step (:func:`_coefficient_sums`) 4 spilled on sm_90, and 2
+#: were the fastest tried on the H200 (they spill 116-124 bytes on sm_80, as every tile tried).
+#: The input gradient, which forms the parameter sums, takes 32 tokens for both widths: it writes
+#: them half as often per token; over several token rows (:data:`PROGRAMS`) it holds the sums
+#: across them, and for heads of 64 channels spilled 136-552 bytes with 4 warps (5% faster on the
+#: H200 all the same) and none with 8. The tokens are the rows of P_x in one tl.dot (at least 16).
 TILES = {
     'output': {32: (16, 8), 64: (16, 8)},
-    'token_gradients': {32: (16, 4), 64: (16, 4)},
+    'token_gradients': {32: (16, 2), 64: (16, 4)},
     'input_gradient': {32: (32, 4), 64: (32, 8)},
+}
+
+#: The walk over P_y^h's band (its rows r in :func:`_products` and :func:`_coefficient_sums`), by
+#: kernel and head width as :data:`TILES`: (rows unrolled per step, loads in flight), Triton's
+#: ``loop_unroll_factor`` and ``num_stages`` of the loop. A step reads a tile of BAND token columns
+#: of one band row and adds it in with P_y's weight; (1, 1) walks the rows one after the other.
+#: Timed on an H200 (README, "Measured on an H200"; float16 tokens, batch 2, PVT-Tiny's and
+#: Swin-T's stages 3 and 4): two rows a step took the backward kernels' GPU time down by 4-6%
+#: (token gradients) and 14-16% (input gradient), but the output's up by 10-49%; loads in flight
+#: (2 or 3, through shared memory) took every kernel's up. Four rows a step spill on sm_90 in the
+#: input gradient and, for heads of 64 channels, in the token gradients.
+WALKS = {
+    'output': {32: (1, 1), 64: (1, 1)},
+    'token_gradients': {32: (2, 1), 64: (2, 1)},
+    'input_gradient': {32: (2, 1), 64: (2, 1)},
 }
 
 #: The input-gradient programs a launch keeps at least where it can: about 4 per SM of an H100's
@@ -217,7 +234,8 @@ def _bands(p_y, p_x, i, w, H, W, TRANSPOSE: tl.constexpr, SPAN_BLOCK: tl.constex
 @triton.jit
 def _products(src_image, plane, exponents, exponent_plane, centre, p_y, p_x, bands, i, w, H, W,
               C, channel, real, FROM_TOKENS: tl.constexpr, TRANSPOSE: tl.constexpr,
-              BAND: tl.constexpr, D_BLOCK: tl.constexpr):
+              BAND: tl.constexpr, D_BLOCK: tl.constexpr, UNROLL: tl.constexpr,
+              STAGES: tl.constexpr):
     """(P_y^h (x) P_x^h) S at tokens w of token row i, or with TRANSPOSE the transposed factors',
     over their ``bands`` (:func:`_bands`), for the channels ``channel`` of one head (``real``: the
     head's own): the two moments, float32 [TOKENS, D_BLOCK]. S: :func:`_source`; see the module
@@ -231,7 +249,8 @@ def _products(src_image, plane, exponents, exponent_plane, centre, p_y, p_x, ban
         mask = valid[:, None] & real[None, :]
         v_first = tl.zeros([BAND, D_BLOCK], tl.float32)
         v_second = tl.zeros([BAND, D_BLOCK], tl.float32)
-        for r in range(lo_y, hi_y):  # v = sum_r P_y[i, r] S_r
+        for r in tl.range(lo_y, hi_y, num_stages=STAGES,
+                          loop_unroll_factor=UNROLL):  # v = sum_r P_y[i, r] S_r
             if TRANSPOSE:
                 weight_y = tl.load(p_y + r * H + i)
             else:
@@ -264,7 +283,7 @@ def _factors(p_y_ptr, p_x_ptr, head, H, W):
 @triton.jit
 def _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, w, head, H, W, C,
                        d, mean_ln, var_ln, eps, BAND: tl.constexpr, D_BLOCK: tl.constexpr,
-                       SPAN_BLOCK: tl.constexpr):
+                       SPAN_BLOCK: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr):
     """Eq. 5 by the products on chip inside Eq. 4 without the affine, for the channels of
     ``head`` of tokens w of token row i of image b, given Eq. 2 ([TOKENS, 1] each). Returns the
     tokens x [TOKENS, D_BLOCK], their mask and offsets, the head's channels, which are real, its
@@ -274,7 +293,7 @@ def _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, 
     p_y, p_x = _factors(p_y_ptr, p_x_ptr, head, H, W)
     bands = _bands(p_y, p_x, i, w, H, W, False, SPAN_BLOCK)
     first, second = _products(x_image, 0, x_image, 0, centre, p_y, p_x, bands, i, w, H, W, C,
-                              channel, real, True, False, BAND, D_BLOCK)
+                              channel, real, True, False, BAND, D_BLOCK, UNROLL, STAGES)
     lam_m, kap_m, lam_v, kap_v = _ratio_rows(ratios_ptr + head * d, C, d, D_BLOCK)
     var_it = tl.maximum(second - first * first, 0.0)
     x, mask, offsets = _head_tokens(x_image, i, w, head, W, C, d, D_BLOCK)
@@ -288,7 +307,8 @@ def _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, 
 @triton.jit(do_not_specialize=['H', 'W', 'C', 'd', 'heads'])
 def _fused_output_kernel(x_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, weight_ptr, bias_ptr,
                          y_ptr, H, W, C, d, heads, eps, n_var, TOKENS: tl.constexpr,
-                         BAND: tl.constexpr, D_BLOCK: tl.constexpr, SPAN_BLOCK: tl.constexpr):
+                         BAND: tl.constexpr, D_BLOCK: tl.constexpr, SPAN_BLOCK: tl.constexpr,
+                         UNROLL: tl.constexpr, STAGES: tl.constexpr):
     """y of tokens w = block * TOKENS ... of token row i of image b (program (b H + i, block))."""
     row, block = tl.program_id(0), tl.program_id(1)
     b, i = row // H, row % H
@@ -299,7 +319,7 @@ def _fused_output_kernel(x_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, weight
     for head in range(heads):
         x, mask, offsets, _, _, _, _, _, _, _, _, _, _, _, _, _, xhat = _head_standardised(
             x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, w, head, H, W, C, d,
-            mean_ln, var_ln, eps, BAND, D_BLOCK, SPAN_BLOCK)
+            mean_ln, var_ln, eps, BAND, D_BLOCK, SPAN_BLOCK, UNROLL, STAGES)
         gamma = _channel_row(weight_ptr + head * d, d, D_BLOCK)
         beta = _channel_row(bias_ptr + head * d, d, D_BLOCK)
         tl.store(y_image + offsets, (xhat * gamma + beta).to(y_ptr.dtype.element_ty), mask=mask)
@@ -321,7 +341,8 @@ def fused_output(x, centre, p_y, p_x, ratios, weight, bias, eps, n_var, grid):
 # ---------------------------------------------------------------------------- backward
 @triton.jit
 def _coefficient_sums(x_image, dm_first, dm_second, centre, p_y, p_x, bands, i, w, H, W, C,
-                      channel, real, BAND: tl.constexpr, D_BLOCK: tl.constexpr):
+                      channel, real, BAND: tl.constexpr, D_BLOCK: tl.constexpr,
+                      UNROLL: tl.constexpr, STAGES: tl.constexpr):
     """This program's share (da1, da2, da3) of the gradient of a^h from its tokens' dL/dm
     [TOKENS, D_BLOCK] each moment (zeros outside), through the products of :func:`_products` over
     the same ``bands`` and the softmax of Eq. 6 (module docstring), R = (d^2, d) with d = source -
@@ -348,7 +369,9 @@ def _coefficient_sums(x_image, dm_first, dm_second, centre, p_y, p_x, bands, i, 
         e_second = tl.dot(tl.trans(weights_x), dm_second, input_precision='ieee')
         v_first = tl.zeros([BAND, D_BLOCK], tl.float32)
         v_second = tl.zeros([BAND, D_BLOCK], tl.float32)
-        for r in range(lo_y, hi_y):
+        lin = tl.zeros([BAND, D_BLOCK], tl.float32)  # sum_r P_y[i, r] dy e T_r, per entry
+        sq = tl.zeros([BAND, D_BLOCK], tl.float32)  # sum_r P_y[i, r] dy^2 e T_r
+        for r in tl.range(lo_y, hi_y, num_stages=STAGES, loop_unroll_factor=UNROLL):
             weight_y = tl.load(p_y + i * H + r)
             tokens = r * W + cols
             t_first, t_second = _source(x_image, 0, x_image, 0, tokens, cols < hi_x,
@@ -356,13 +379,15 @@ def _coefficient_sums(x_image, dm_first, dm_second, centre, p_y, p_x, bands, i, 
                                         True)
             v_first += weight_y * t_first
             v_second += weight_y * t_second
-            # P dP_y[i, r], dP_y[i, r] = sum_s e_s T_rs (this program's tokens' share)
-            dp = weight_y * tl.sum(tl.sum(e_first * t_first + e_second * t_second, axis=1),
-                                   axis=0)
             dy = (r - i).to(tl.float32)
-            dp_y += dp
-            dp_sq_y += dp * dy * dy
-            dp_lin_y += dp * dy
+            weighted = (weight_y * dy) * (e_first * t_first + e_second * t_second)
+            lin += weighted
+            sq += weighted * dy
+        # P dP_y[i, r] with dP_y[i, r] = sum_s e_s T_rs (this program's tokens' share), summed
+        # over r with (1, dy, dy^2): e . v and the sums above, reduced once per step
+        dp_y += tl.sum(tl.sum(e_first * v_first + e_second * v_second, axis=1), axis=0)
+        dp_lin_y += tl.sum(tl.sum(lin, axis=1), axis=0)
+        dp_sq_y += tl.sum(tl.sum(sq, axis=1), axis=0)
         # P dP_x[w, s], dP_x[w, s] = sum_c dm_w v_s
         outer = (tl.dot(dm_first, tl.trans(v_first), input_precision='ieee')
                  + tl.dot(dm_second, tl.trans(v_second), input_precision='ieee'))
@@ -382,7 +407,8 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
                                   weight_ptr, scaled_dm_ptr, exponent_ptr, token_ptr, coef_ptr, H,
                                   W, C, d, heads, eps, n_var, TOKENS: tl.constexpr,
                                   BAND: tl.constexpr, D_BLOCK: tl.constexpr,
-                                  SPAN_BLOCK: tl.constexpr):
+                                  SPAN_BLOCK: tl.constexpr, UNROLL: tl.constexpr,
+                                  STAGES: tl.constexpr):
     """For tokens w of token row i of image b (program (b H + i, block)): dL/dm (two planes (2,
     B, N, C) as :func:`_store_scaled` stores them; for 16-bit tokens the exponents (2, B, heads,
     N)), per token mean_ln, var_ln and the gradient of Eq. 2 as dx = ... + x beta + alpha
@@ -402,7 +428,7 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
         (x, mask, offsets, channel, real, centre, p_y, p_x, bands, first, var_it, lam_m, kap_m,
          lam_v, kap_v, rstd, xhat) = _head_standardised(
              x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, w, head, H, W, C, d,
-             mean_ln, var_ln, eps, BAND, D_BLOCK, SPAN_BLOCK)
+             mean_ln, var_ln, eps, BAND, D_BLOCK, SPAN_BLOCK, UNROLL, STAGES)
         gamma = _channel_row(weight_ptr + head * d, d, D_BLOCK)
         g, _, _ = _head_tokens(g_image, i, w, head, W, C, d, D_BLOCK)
         d1 = g * gamma * rstd
@@ -417,7 +443,8 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
         _store_scaled(dm_image + plane, exponents + exponent_plane, i * W + w, w < W, offsets,
                       mask, dm_second)
         da1, da2, da3 = _coefficient_sums(x_image, dm_first, dm_second, centre, p_y, p_x, bands,
-                                          i, w, H, W, C, channel, real, BAND, D_BLOCK)
+                                          i, w, H, W, C, channel, real, BAND, D_BLOCK,
+                                          UNROLL, STAGES)
         coef = coef_ptr + (program * heads + head) * 3
         tl.store(coef, da1)
         tl.store(coef + 1, da2)
@@ -437,7 +464,8 @@ def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, rat
                                  weight_ptr, scaled_dm_ptr, exponent_ptr, token_ptr, dx_ptr,
                                  partial_ptr, H, W, C, d, rows, eps, TOKENS: tl.constexpr,
                                  BAND: tl.constexpr, D_BLOCK: tl.constexpr,
-                                 SPAN_BLOCK: tl.constexpr):
+                                 SPAN_BLOCK: tl.constexpr, UNROLL: tl.constexpr,
+                                 STAGES: tl.constexpr):
     """dx of head ``program_id(2)``'s channels of tokens w of up to ``rows`` token rows i of image
     b (program (b R + k, block, head) takes rows k rows ... k rows + rows - 1, R = ceil(H /
     rows)): D1 + x beta + alpha + dL/dT_0 + 2 (x - centre) dL/dT_1; and the sums of xhat g, g,
@@ -469,7 +497,7 @@ def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, rat
         x, mask, offsets, channel, real, centre, p_y, p_x, _, first, var_it, _, _, _, _, rstd, \
             xhat = _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, w,
                                       head, H, W, C, d, mean_ln, var_ln, eps, BAND, D_BLOCK,
-                                      SPAN_BLOCK)
+                                      SPAN_BLOCK, UNROLL, STAGES)
         g, _, _ = _head_tokens(g_image, i, w, head, W, C, d, D_BLOCK)
         d1 = g * gamma * rstd
         d2 = d1 * xhat * rstd
@@ -482,7 +510,7 @@ def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, rat
         bands = _bands(p_y, p_x, i, w, H, W, True, SPAN_BLOCK)  # of the transposed factors
         dt_first, dt_second = _products(scaled_dm_ptr + image, plane, exponents, exponent_plane,
                                         centre, p_y, p_x, bands, i, w, H, W, C, channel, real,
-                                        False, True, BAND, D_BLOCK)
+                                        False, True, BAND, D_BLOCK, UNROLL, STAGES)
         dx = d1 + x * beta + alpha + dt_first + 2.0 * (x - centre) * dt_second
         tl.store(dx_ptr + image + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
     c = tl.arange(0, D_BLOCK)
@@ -547,7 +575,9 @@ def _spec(kernel, name, d):
     """(kernel, constexprs, num_warps) of one fused kernel for heads of d channels."""
     d_block = max(32, triton.next_power_of_2(d))
     tokens, warps = TILES[name][d_block]
-    return kernel, dict(TOKENS=tokens, BAND=BAND, D_BLOCK=d_block, SPAN_BLOCK=SPAN_BLOCK), warps
+    unroll, stages = WALKS[name][d_block]
+    return kernel, dict(TOKENS=tokens, BAND=BAND, D_BLOCK=d_block, SPAN_BLOCK=SPAN_BLOCK,
+                        UNROLL=unroll, STAGES=stages), warps
 
 
 @functools.lru_cache(maxsize=None)
