@@ -707,3 +707,36 @@ def test_tile_tuning_tool():
                            cwd=os.path.join(ROOT, 'tools', 'analysis'), env=env,
                            capture_output=True, text=True, timeout=600)
     assert check.returncode == 0 and check.stdout.split()[-1] == '0', check.stderr[-3000:]
+
+
+def test_fused_tile_tuning_tool():
+    """tools/analysis/tune_fused_tiles.py, in the interpreter on a grid 25 times smaller, two
+    candidates of the token gradients: y and dx equal the current tables', the fastest is marked
+    and the tables are printed as Python source; stages that do not run the fused passes are
+    refused; without the interpreter its spill check compiles a candidate for sm_90 (no GPU)."""
+    tool = os.path.join(ROOT, 'tools', 'analysis', 'tune_fused_tiles.py')
+    env = {**os.environ, 'TRITON_INTERPRET': '1'}
+    out = subprocess.run([sys.executable, tool, '--device', 'cpu', '--shrink', '25', '--batch',
+                          '1', '--candidates', '2', '--stages', 'pvt_tiny:3', '--kernels',
+                          'token_gradients'], capture_output=True, text=True, timeout=600,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert 'not checked for spills (interpreter)' in text
+    section = text.split('\ntoken_gradients, heads of 64 channels\n')[1].split('\n\n')[0]
+    lines = section.splitlines()
+    assert len(lines) == 2 and sum('<- fastest' in line for line in lines) == 1, text
+    assert max(float(line.split('(difference ')[1].split(')')[0]) for line in lines) < 2e-3
+    namespace = {}
+    exec(text[text.index('TILES = {'):], namespace)
+    assert set(namespace['TILES']) == set(namespace['WALKS']) == {
+        'output', 'token_gradients', 'input_gradient'}
+    pooled = subprocess.run([sys.executable, tool, '--device', 'cpu', '--stages', 'pvt_tiny:1'],
+                            capture_output=True, text=True, timeout=600, env=env)
+    assert pooled.returncode == 2 and 'none of these stages runs the fused passes' in pooled.stderr
+    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
+    check = subprocess.run([sys.executable, '-c', 'import tune_fused_tiles as t; '
+                            'print(t.spills("token_gradients", 64, 90, "float16"))'],
+                           cwd=os.path.join(ROOT, 'tools', 'analysis'), env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert check.returncode == 0 and check.stdout.split()[-1] == '0', check.stderr[-3000:]

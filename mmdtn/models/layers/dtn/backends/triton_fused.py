@@ -81,17 +81,19 @@ ENABLED = os.environ.get('MMDTN_TRITON_FUSED', '1') != '0'
 #: staged passes.
 MAX_HEAD_CHANNELS = 64
 #: (tokens of a token row per program, warps) by kernel and head width (channels, padded to 32 or
-#: 64), timed on an H200 (README, "Measured on an H200"): of the variants of 16 or 32 tokens and
-#: 2, 4 or 8 warps, these took the least GPU time at PVT-Tiny's and Swin-T's stages 3 and 4
-#: without spilling on sm_90 (``compile_kernels.py``). For heads of 64 channels 16 tokens with 4
-#: warps in the token gradients (8 before) and 16 with 8 in the output (32 before) took PVT-Tiny's
-#: stage 3 from 1.08 to 0.82 ms. For heads of 32 channels the token gradients take 2 warps: with
-#: their sums reduced once per band step (:func:`_coefficient_sums`) 4 spilled on sm_90, and 2
-#: were the fastest tried on the H200 (they spill 116-124 bytes on sm_80, as every tile tried).
-#: The input gradient, which forms the parameter sums, takes 32 tokens for both widths: it writes
-#: them half as often per token; over several token rows (:data:`PROGRAMS`) it holds the sums
-#: across them, and for heads of 64 channels spilled 136-552 bytes with 4 warps (5% faster on the
-#: H200 all the same) and none with 8. The tokens are the rows of P_x in one tl.dot (at least 16).
+#: 64), timed on an H200 (README, "Measured on an H200"; on another GPU, run
+#: ``tools/analysis/tune_fused_tiles.py`` and put its tables here and in :data:`WALKS`): of the
+#: variants of 16 or 32 tokens and 2, 4 or 8 warps, these took the least GPU time at PVT-Tiny's and
+#: Swin-T's stages 3 and 4 without spilling on sm_90 (``compile_kernels.py``). For heads of 64
+#: channels 16 tokens with 4 warps in the token gradients (8 before) and 16 with 8 in the output (32
+#: before) took PVT-Tiny's stage 3 from 1.08 to 0.82 ms. For heads of 32 channels the token
+#: gradients take 2 warps: with their sums reduced once per band step (:func:`_coefficient_sums`) 4
+#: spilled on sm_90, and 2 were the fastest tried on the H200 (they spill 116-124 bytes on sm_80, as
+#: every tile tried). The input gradient, which forms the parameter sums, takes 32 tokens for both
+#: widths: it writes them half as often per token; over several token rows (:data:`PROGRAMS`) it
+#: holds the sums across them, and for heads of 64 channels spilled 136-552 bytes with 4 warps (5%
+#: faster on the H200 all the same) and none with 8. The tokens are the rows of P_x in one tl.dot
+#: (at least 16).
 TILES = {
     'output': {32: (16, 8), 64: (16, 8)},
     'token_gradients': {32: (16, 2), 64: (16, 4)},

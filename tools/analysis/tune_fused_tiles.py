@@ -1,0 +1,204 @@
+"""Time candidate tiles of the Triton backend's fused passes without pooling on a GPU and print the
+fastest for each kernel and head width, as ``TILES`` and ``WALKS`` of
+``mmdtn/models/layers/dtn/backends/triton_fused.py``.
+
+The tables there were chosen on an H200 (README, "Measured on an H200"). On another GPU, run this
+tool and put the printed tables in their place (``tune_band_tiles.py`` does the same for the band
+products that run with pooling).
+
+For every fused kernel (the output, the token gradients, the input gradient) and head width
+(channels per head, padded to 32 or 64) of the chosen stages without pooling, each candidate
+(tokens of a token row per program, warps; rows of P_y^h's band a step, loads in flight) is:
+
+1. compiled for the GPU's architecture without running (as ``compile_kernels.py``); candidates
+   that spill registers are left out;
+2. run as the layer runs it, forward and backward, on the layer benchmark's stages
+   (``benchmark_norm.STAGES``) whose heads have that width, batch 2, with a layer at its
+   initialisation; y and dx must equal those of the first candidate (the current tables) to
+   twice the tokens' dtype resolution (1e-5 for float32) of their largest value;
+3. timed: the layer's GPU time per forward + backward (``benchmark_norm.gpu_seconds``, the
+   median of 3); only this kernel's tiles differ between candidates.
+
+The fastest by the sum over the stages wins and stays in the tables for the kernels tuned after
+it; each kernel's table is printed as soon as it is tuned, and the two tables at the end. The
+fused passes run here even with ``MMDTN_TRITON_FUSED=0``. Usage::
+
+    python tools/analysis/tune_fused_tiles.py --device cuda [--stages pvt_tiny:3 swin_t:3] \
+        [--kernels token_gradients]
+
+With ``TRITON_INTERPRET=1`` and ``--device cpu --shrink 20 --candidates 2`` it runs in Triton's
+interpreter on grids 20 times smaller (a check of the tool; the times mean nothing).
+"""
+import argparse
+import itertools
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+import benchmark_norm as bench
+from benchmark_norm import DTYPES, add_stages_argument, selected_stages, stage_label
+from compile_kernels import compile_for
+from mmdtn import set_dtn_backend
+from mmdtn.models.layers.dtn.backends import triton_fused
+from mmdtn.models.layers.dtn.backends.triton import interpreting
+
+#: The fused kernels in the order the tables list them, with their index in
+#: :func:`.triton_fused.specializations`.
+KERNELS = {'output': 0, 'token_gradients': 1, 'input_gradient': 2}
+#: Candidates: (tokens, warps) of TILES and (rows a step, loads in flight) of WALKS.
+CANDIDATES = [(tile, walk) for tile, walk in itertools.product(
+    [(16, 4), (16, 8), (16, 2), (32, 4), (32, 8), (32, 2)], [(1, 1), (2, 1), (2, 2)])]
+
+
+def width(C, heads):
+    """The head width the tables are keyed by: channels per head padded to 32 or 64."""
+    return max(32, 1 << (C // heads - 1).bit_length())
+
+
+def current(kernel, d_block):
+    return triton_fused.TILES[kernel][d_block], triton_fused.WALKS[kernel][d_block]
+
+
+def set_candidate(kernel, d_block, candidate):
+    triton_fused.TILES[kernel][d_block], triton_fused.WALKS[kernel][d_block] = candidate
+    triton_fused.specializations.cache_clear()
+
+
+def spills(kernel, d, arch, dtype):
+    """Bytes spilled by ``kernel`` for heads of d channels with the tables as they are, compiled
+    for sm_<arch>; None in Triton's interpreter, whose kernels do not compile."""
+    if interpreting():
+        return None
+    return compile_for(*triton_fused.specializations(d)[KERNELS[kernel]], dtype, arch)[1]
+
+
+class StageLayer:
+    """A DTN layer of one stage without pooling at its initialisation, with tokens and an upstream
+    gradient (batch ``batch``, ``dtype``)."""
+
+    def __init__(self, C, H, W, heads, batch, dtype, device):
+        self.d = C // heads
+        self.hw = (H, W)
+        self.x, self.grad = bench.inputs(C, H, W, batch, device, dtype)
+        self.layer = bench.layers(C, heads, 1, device, [('triton', device)], False,
+                                  dtype)['DTN triton'][0]
+
+    def outputs(self):
+        return bench.outputs(self.layer, 'triton', self.x, self.hw, self.grad)
+
+    def microseconds(self, device):
+        """GPU microseconds per forward + backward (on the CPU, the interpreter: wall clock)."""
+        set_dtn_backend('triton')
+        if device.type != 'cuda':
+            start = time.perf_counter()
+            bench.forward_backward(self.layer, self.x, self.hw, self.grad)
+            return (time.perf_counter() - start) * 1e6
+        bench.forward_backward(self.layer, self.x, self.hw, self.grad)  # compiles
+        return statistics.median(bench.gpu_seconds(self.layer, self.x, self.hw, self.grad)[0]
+                                 for _ in range(3)) * 1e6
+
+
+def tolerance(dtype):
+    return max(1e-5, 2 * torch.finfo(dtype).eps)
+
+
+def candidates(kernel, d_block, count):
+    """The current tiles of ``kernel`` for heads of ``d_block``, then the others: ``count`` in all
+    (or all)."""
+    now = current(kernel, d_block)
+    return ([now] + [c for c in CANDIDATES if c != now])[:count]
+
+
+def tune(kernel, d_block, stages, device, arch, dtype, count, progress):
+    """Rows (candidate, total us or None where it spills, us per stage, difference) of the
+    candidates of ``kernel`` for heads of ``d_block``, and the fastest; it is left in the tables."""
+    references = [stage.outputs() for stage in stages]
+    rows = []
+    for candidate in candidates(kernel, d_block, count):
+        set_candidate(kernel, d_block, candidate)
+        progress.update()
+        if spills(kernel, stages[0].d, arch, dtype):
+            rows.append((candidate, None, [], None))
+            continue
+        difference = max(bench.relative_error(stage.outputs(), reference)
+                         for stage, reference in zip(stages, references))
+        times = [stage.microseconds(device) for stage in stages]
+        rows.append((candidate, sum(times), times, difference))
+    valid = [r for r in rows if r[1] is not None and r[3] < tolerance(stages[0].x.dtype)]
+    best = min(valid, key=lambda r: r[1])[0]
+    set_candidate(kernel, d_block, best)
+    return rows, best
+
+
+def tables_literal():
+    """TILES and WALKS as Python source."""
+    lines = []
+    for table in ('TILES', 'WALKS'):
+        lines.append(f'{table} = {{')
+        for kernel, by_width in getattr(triton_fused, table).items():
+            text = ', '.join(f'{d_block}: {value}' for d_block, value in sorted(by_width.items()))
+            lines.append(f"    '{kernel}': {{{text}}},")
+        lines.append('}')
+    return '\n'.join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--device', default='cuda')
+    add_stages_argument(parser)
+    parser.add_argument('--dtype', default='float16', choices=sorted(DTYPES))
+    parser.add_argument('--batch', type=int, default=2)
+    parser.add_argument('--kernels', nargs='+', choices=list(KERNELS), default=list(KERNELS),
+                        help='tune only these kernels (default: all)')
+    parser.add_argument('--candidates', type=int, default=None,
+                        help='only the first N candidates of every kernel and head width')
+    parser.add_argument('--shrink', type=int, default=1,
+                        help='divide H and W of every grid by this (interpreter checks)')
+    parser.add_argument('--arch', type=int, default=None,
+                        help='compute capability of the spill check (default: the GPU\'s)')
+    args = parser.parse_args()
+    triton_fused.ENABLED = True
+    device = torch.device(args.device)
+    major, minor = torch.cuda.get_device_capability(device) if device.type == 'cuda' else (9, 0)
+    arch = args.arch or 10 * major + minor
+    dtype = DTYPES[args.dtype]
+    by_width = {}
+    for model, stage, C, H, W, pool, heads in selected_stages(parser, args.stages):
+        if pool == 1 and triton_fused.can_fuse(pool, C // heads):
+            H, W = max(1, H // args.shrink), max(1, W // args.shrink)
+            by_width.setdefault(width(C, heads), {})[stage_label(model, stage, C, H, W, pool)] = (
+                StageLayer(C, H, W, heads, args.batch, dtype, device))
+    if not by_width:
+        parser.error('none of these stages runs the fused passes (no pooling, heads of at most '
+                     f'{triton_fused.MAX_HEAD_CHANNELS} channels)')
+    name = torch.cuda.get_device_name(device) if device.type == 'cuda' else device.type
+    checked = 'not checked for spills (interpreter)' if interpreting() else f'sm_{arch}'
+    print(f'Fused passes on {name} ({checked}), {args.dtype} tokens, batch {args.batch}: GPU us '
+          f'per forward + backward of each stage\'s layer, the median of 3; candidates as '
+          f'(tokens, warps), (band rows a step, loads in flight)')
+    for d_block, stages in sorted(by_width.items()):
+        print(f'heads of {d_block} channels: ' + ', '.join(stages), flush=True)
+    jobs = [(kernel, d_block) for kernel in args.kernels for d_block in sorted(by_width)]
+    progress = tqdm(total=sum(len(candidates(*job, args.candidates)) for job in jobs),
+                    desc='candidates')
+    for kernel, d_block in jobs:
+        rows, best = tune(kernel, d_block, list(by_width[d_block].values()), device, arch, dtype,
+                          args.candidates, progress)
+        progress.clear()
+        print(f'\n{kernel}, heads of {d_block} channels')
+        for candidate, total, times, difference in rows:
+            shown = f'{candidate[0]}, {candidate[1]}'
+            if total is None:
+                print(f'  {shown:<18} spills on sm_{arch}')
+                continue
+            mark = '  <- fastest' if candidate == best else ''
+            print(f'  {shown:<18} {total:9.1f} us = ' + ' + '.join(f'{t:.1f}' for t in times)
+                  + f'  (difference {difference:.1e}){mark}', flush=True)
+    progress.close()
+    print('\n' + tables_literal())
+
+
+if __name__ == '__main__':
+    main()
