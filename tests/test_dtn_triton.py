@@ -670,6 +670,16 @@ def test_kernels_compile_for_sm90_without_spills():
         assert 0 < r['registers'] <= 255
 
 
+def assert_compiles_without_spills(statement):
+    """Runs ``statement`` in tools/analysis without Triton's interpreter (a tool's spill check,
+    which compiles for a GPU without one) and asserts that the last thing it prints is 0."""
+    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
+    check = subprocess.run([sys.executable, '-c', statement],
+                           cwd=os.path.join(ROOT, 'tools', 'analysis'), env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert check.returncode == 0 and check.stdout.split()[-1] == '0', check.stderr[-3000:]
+
+
 def test_tile_tuning_tool():
     """tools/analysis/tune_band_tiles.py, in the interpreter on grids 20 times smaller, two
     candidates per operand: every candidate's products equal the current tiles', the fastest of
@@ -701,12 +711,8 @@ def test_tile_tuning_tool():
     assert out.returncode == 0, out.stderr[-3000:]
     tuned = [line for line in out.stdout.splitlines() if line in operands]
     assert tuned == ['outer tokens'] and 'OUTER_TILES = {' in out.stdout, out.stdout
-    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
-    check = subprocess.run([sys.executable, '-c', 'import tune_band_tiles as t; '
-                            'print(t.spills("tokens", 90, "float16"))'],
-                           cwd=os.path.join(ROOT, 'tools', 'analysis'), env=env,
-                           capture_output=True, text=True, timeout=600)
-    assert check.returncode == 0 and check.stdout.split()[-1] == '0', check.stderr[-3000:]
+    assert_compiles_without_spills('import tune_band_tiles as t; '
+                                   'print(t.spills("tokens", 90, "float16"))')
 
 
 def test_fused_tile_tuning_tool():
@@ -734,9 +740,5 @@ def test_fused_tile_tuning_tool():
     pooled = subprocess.run([sys.executable, tool, '--device', 'cpu', '--stages', 'pvt_tiny:1'],
                             capture_output=True, text=True, timeout=600, env=env)
     assert pooled.returncode == 2 and 'none of these stages runs the fused passes' in pooled.stderr
-    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
-    check = subprocess.run([sys.executable, '-c', 'import tune_fused_tiles as t; '
-                            'print(t.spills("token_gradients", 64, 90, "float16"))'],
-                           cwd=os.path.join(ROOT, 'tools', 'analysis'), env=env,
-                           capture_output=True, text=True, timeout=600)
-    assert check.returncode == 0 and check.stdout.split()[-1] == '0', check.stderr[-3000:]
+    assert_compiles_without_spills('import tune_fused_tiles as t; '
+                                   'print(t.spills("token_gradients", 64, 90, "float16"))')

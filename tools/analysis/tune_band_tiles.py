@@ -30,8 +30,9 @@ import time
 import torch
 from tqdm import tqdm
 
-from benchmark_norm import DTYPES, add_stages_argument, selected_stages, stage_label
+from benchmark_norm import DTYPES, selected_stages, stage_label
 from compile_kernels import compile_for
+from tuning import add_tuning_arguments, fastest, print_rows, tables_literal, target
 from mmdtn import DynamicTokenNorm
 from mmdtn.models.layers.dtn import function
 from mmdtn.models.layers.dtn.backends import triton_band, triton_kernels
@@ -189,53 +190,32 @@ def tune(operand, stages, device, arch, dtype, iters, count, progress):
                 difference = max(difference, largest_difference(run(calls), references[label]))
                 times.append(timed(calls, device, iters))
         rows.append((tiles, sum(times), times, difference))
-    valid = [r for r in rows if r[1] is not None and r[3] < 1e-4]
-    best = min(valid, key=lambda r: r[1])[0]
+    best = fastest(rows, 1e-4)
     set_tiles(operand, best)
     return rows, best
 
 
-def tables_literal():
+def tables():
     """MATMUL_TILES and OUTER_TILES as Python source."""
-    lines = []
-    for table in ('MATMUL_TILES', 'OUTER_TILES'):
-        lines.append(f'{table} = {{')
-        for key, tiles in getattr(triton_band, table).items():
-            text = ', '.join(f'{k}={v}' for k, v in tiles.items())
-            lines.append(f"    '{key}': dict({text}),")
-        lines.append('}')
-    return '\n'.join(lines)
+    return tables_literal(triton_band, ('MATMUL_TILES', 'OUTER_TILES'), lambda tiles: (
+        'dict(' + ', '.join(f'{k}={v}' for k, v in tiles.items()) + ')'))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('--device', default='cuda')
-    add_stages_argument(parser)
-    parser.add_argument('--dtype', default='float16', choices=sorted(DTYPES))
-    parser.add_argument('--batch', type=int, default=2)
+    add_tuning_arguments(parser, 'operand')
     parser.add_argument('--iters', type=int, default=10)
     parser.add_argument('--operands', nargs='+', choices=list(OPERANDS), default=None,
                         help='tune only these operands (default: all)')
-    parser.add_argument('--candidates', type=int, default=None,
-                        help='only the first N candidates of every operand')
-    parser.add_argument('--shrink', type=int, default=1,
-                        help='divide H and W of every grid by this (interpreter checks)')
-    parser.add_argument('--arch', type=int, default=None,
-                        help='compute capability of the spill check (default: the GPU\'s)')
     args = parser.parse_args()
-    device = torch.device(args.device)
-    major, minor = torch.cuda.get_device_capability(device) if device.type == 'cuda' else (9, 0)
-    arch = args.arch or 10 * major + minor
-    chosen = selected_stages(parser, args.stages)
+    device, arch, header = target(args)
     stages = {}
-    for model, stage, C, H, W, pool, heads in chosen:
+    for model, stage, C, H, W, pool, heads in selected_stages(parser, args.stages):
         H, W = max(1, H // args.shrink), max(1, W // args.shrink)
         stages[stage_label(model, stage, C, H, W, pool)] = StageProducts(
             C, H, W, pool, heads, args.batch, DTYPES[args.dtype], device)
-    name = torch.cuda.get_device_name(device) if device.type == 'cuda' else device.type
     count, operands = args.candidates, args.operands or list(OPERANDS)
-    checked = 'not checked for spills (interpreter)' if interpreting() else f'sm_{arch}'
-    print(f'Band products on {name} ({checked}), {args.dtype} tokens, batch {args.batch}: '
+    print(f'Band products on {header}, {args.dtype} tokens, batch {args.batch}: '
           f'us per call of each stage\'s products, best of 3 x {args.iters}')
     print('stages: ' + ', '.join(stages), flush=True)
     progress = tqdm(total=sum(len(candidates(operand, count)) for operand in operands),
@@ -243,17 +223,10 @@ def main():
     for operand in operands:
         rows, best = tune(operand, stages, device, arch, args.dtype, args.iters, count, progress)
         progress.clear()
-        print(f'\n{operand}')
-        for tiles, total, times, difference in rows:
-            shown = ', '.join(f'{k}={v}' for k, v in tiles.items())
-            if total is None:
-                print(f'  {shown:<54} spills on sm_{arch}')
-                continue
-            mark = '  <- fastest' if tiles == best else ''
-            print(f'  {shown:<54} {total:9.1f} us = ' + ' + '.join(f'{t:.1f}' for t in times)
-                  + f'  (difference {difference:.1e}){mark}', flush=True)
+        print_rows(operand, rows, best, arch,
+                   lambda tiles: ', '.join(f'{k}={v}' for k, v in tiles.items()), 54)
     progress.close()
-    print('\n' + tables_literal())
+    print('\n' + tables())
 
 
 if __name__ == '__main__':

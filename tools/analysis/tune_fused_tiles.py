@@ -38,8 +38,9 @@ import torch
 from tqdm import tqdm
 
 import benchmark_norm as bench
-from benchmark_norm import DTYPES, add_stages_argument, selected_stages, stage_label
+from benchmark_norm import DTYPES, selected_stages, stage_label
 from compile_kernels import compile_for
+from tuning import add_tuning_arguments, fastest, print_rows, tables_literal, target
 from mmdtn import set_dtn_backend
 from mmdtn.models.layers.dtn.backends import triton_fused
 from mmdtn.models.layers.dtn.backends.triton import interpreting
@@ -126,43 +127,25 @@ def tune(kernel, d_block, stages, device, arch, dtype, count, progress):
                          for stage, reference in zip(stages, references))
         times = [stage.microseconds(device) for stage in stages]
         rows.append((candidate, sum(times), times, difference))
-    valid = [r for r in rows if r[1] is not None and r[3] < tolerance(stages[0].x.dtype)]
-    best = min(valid, key=lambda r: r[1])[0]
+    best = fastest(rows, tolerance(stages[0].x.dtype))
     set_candidate(kernel, d_block, best)
     return rows, best
 
 
-def tables_literal():
+def tables():
     """TILES and WALKS as Python source."""
-    lines = []
-    for table in ('TILES', 'WALKS'):
-        lines.append(f'{table} = {{')
-        for kernel, by_width in getattr(triton_fused, table).items():
-            text = ', '.join(f'{d_block}: {value}' for d_block, value in sorted(by_width.items()))
-            lines.append(f"    '{kernel}': {{{text}}},")
-        lines.append('}')
-    return '\n'.join(lines)
+    return tables_literal(triton_fused, ('TILES', 'WALKS'), lambda by_width: '{' + ', '.join(
+        f'{d_block}: {value}' for d_block, value in sorted(by_width.items())) + '}')
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('--device', default='cuda')
-    add_stages_argument(parser)
-    parser.add_argument('--dtype', default='float16', choices=sorted(DTYPES))
-    parser.add_argument('--batch', type=int, default=2)
+    add_tuning_arguments(parser, 'kernel and head width')
     parser.add_argument('--kernels', nargs='+', choices=list(KERNELS), default=list(KERNELS),
                         help='tune only these kernels (default: all)')
-    parser.add_argument('--candidates', type=int, default=None,
-                        help='only the first N candidates of every kernel and head width')
-    parser.add_argument('--shrink', type=int, default=1,
-                        help='divide H and W of every grid by this (interpreter checks)')
-    parser.add_argument('--arch', type=int, default=None,
-                        help='compute capability of the spill check (default: the GPU\'s)')
     args = parser.parse_args()
     triton_fused.ENABLED = True
-    device = torch.device(args.device)
-    major, minor = torch.cuda.get_device_capability(device) if device.type == 'cuda' else (9, 0)
-    arch = args.arch or 10 * major + minor
+    device, arch, header = target(args)
     dtype = DTYPES[args.dtype]
     by_width = {}
     for model, stage, C, H, W, pool, heads in selected_stages(parser, args.stages):
@@ -173,11 +156,9 @@ def main():
     if not by_width:
         parser.error('none of these stages runs the fused passes (no pooling, heads of at most '
                      f'{triton_fused.MAX_HEAD_CHANNELS} channels)')
-    name = torch.cuda.get_device_name(device) if device.type == 'cuda' else device.type
-    checked = 'not checked for spills (interpreter)' if interpreting() else f'sm_{arch}'
-    print(f'Fused passes on {name} ({checked}), {args.dtype} tokens, batch {args.batch}: GPU us '
-          f'per forward + backward of each stage\'s layer, the median of 3; candidates as '
-          f'(tokens, warps), (band rows a step, loads in flight)')
+    print(f'Fused passes on {header}, {args.dtype} tokens, batch {args.batch}: GPU us per '
+          f'forward + backward of each stage\'s layer, the median of 3; candidates as (tokens, '
+          f'warps), (band rows a step, loads in flight)')
     for d_block, stages in sorted(by_width.items()):
         print(f'heads of {d_block} channels: ' + ', '.join(stages), flush=True)
     jobs = [(kernel, d_block) for kernel in args.kernels for d_block in sorted(by_width)]
@@ -187,17 +168,10 @@ def main():
         rows, best = tune(kernel, d_block, list(by_width[d_block].values()), device, arch, dtype,
                           args.candidates, progress)
         progress.clear()
-        print(f'\n{kernel}, heads of {d_block} channels')
-        for candidate, total, times, difference in rows:
-            shown = f'{candidate[0]}, {candidate[1]}'
-            if total is None:
-                print(f'  {shown:<18} spills on sm_{arch}')
-                continue
-            mark = '  <- fastest' if candidate == best else ''
-            print(f'  {shown:<18} {total:9.1f} us = ' + ' + '.join(f'{t:.1f}' for t in times)
-                  + f'  (difference {difference:.1e}){mark}', flush=True)
+        print_rows(f'{kernel}, heads of {d_block} channels', rows, best, arch,
+                   lambda candidate: f'{candidate[0]}, {candidate[1]}', 18)
     progress.close()
-    print('\n' + tables_literal())
+    print('\n' + tables())
 
 
 if __name__ == '__main__':

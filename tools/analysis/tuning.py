@@ -1,0 +1,65 @@
+"""What the tile-tuning tools (``tune_band_tiles.py``, ``tune_fused_tiles.py``) share: their
+common arguments, the GPU whose architecture the spill check compiles for, the header and the
+rows of each tuned table, and the choice of the fastest candidate."""
+import torch
+
+from benchmark_norm import DTYPES, add_stages_argument
+from mmdtn.models.layers.dtn.backends.triton import interpreting
+
+
+def add_tuning_arguments(parser, what):
+    """--device, --stages, --dtype, --batch, --candidates, --shrink and --arch; ``what``: the
+    things that have candidates (for --candidates' help)."""
+    parser.add_argument('--device', default='cuda')
+    add_stages_argument(parser)
+    parser.add_argument('--dtype', default='float16', choices=sorted(DTYPES))
+    parser.add_argument('--batch', type=int, default=2)
+    parser.add_argument('--candidates', type=int, default=None,
+                        help=f'only the first N candidates of every {what}')
+    parser.add_argument('--shrink', type=int, default=1,
+                        help='divide H and W of every grid by this (interpreter checks)')
+    parser.add_argument('--arch', type=int, default=None,
+                        help='compute capability of the spill check (default: the GPU\'s)')
+
+
+def target(args):
+    """(device, the architecture of the spill check, a header naming both) for parsed
+    arguments."""
+    device = torch.device(args.device)
+    major, minor = torch.cuda.get_device_capability(device) if device.type == 'cuda' else (9, 0)
+    arch = args.arch or 10 * major + minor
+    name = torch.cuda.get_device_name(device) if device.type == 'cuda' else device.type
+    checked = 'not checked for spills (interpreter)' if interpreting() else f'sm_{arch}'
+    return device, arch, f'{name} ({checked})'
+
+
+def fastest(rows, tolerance):
+    """The candidate of the fastest row (candidate, total us or None where it spills, us per
+    stage, difference) whose difference is below ``tolerance``."""
+    valid = [r for r in rows if r[1] is not None and r[3] < tolerance]
+    return min(valid, key=lambda r: r[1])[0]
+
+
+def print_rows(title, rows, best, arch, shown, width):
+    """A tuned table: ``title``, then a line per row (see :func:`fastest`), the candidate as
+    ``shown(candidate)`` in ``width`` columns, the fastest marked."""
+    print(f'\n{title}')
+    for candidate, total, times, difference in rows:
+        text = shown(candidate)
+        if total is None:
+            print(f'  {text:<{width}} spills on sm_{arch}')
+            continue
+        mark = '  <- fastest' if candidate == best else ''
+        print(f'  {text:<{width}} {total:9.1f} us = ' + ' + '.join(f'{t:.1f}' for t in times)
+              + f'  (difference {difference:.1e}){mark}', flush=True)
+
+
+def tables_literal(module, tables, entry):
+    """The dicts named ``tables`` of ``module`` as Python source, each value as ``entry(value)``."""
+    lines = []
+    for table in tables:
+        lines.append(f'{table} = {{')
+        for key, value in getattr(module, table).items():
+            lines.append(f"    '{key}': {entry(value)},")
+        lines.append('}')
+    return '\n'.join(lines)
