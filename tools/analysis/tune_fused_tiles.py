@@ -69,7 +69,8 @@ def set_candidate(kernel, d_block, candidate):
 
 def spills(kernel, d, arch, dtype):
     """Bytes spilled by ``kernel`` for heads of d channels with the tables as they are, compiled
-    for sm_<arch>; None in Triton's interpreter, whose kernels do not compile."""
+    for sm_<arch> for tokens of ``dtype`` (its name, e.g. 'float16'); None in Triton's
+    interpreter, whose kernels do not compile."""
     if interpreting():
         return None
     return compile_for(*triton_fused.specializations(d)[KERNELS[kernel]], dtype, arch)[1]
@@ -112,7 +113,7 @@ def candidates(kernel, d_block, count):
     return ([now] + [c for c in CANDIDATES if c != now])[:count]
 
 
-def tune(kernel, d_block, stages, device, arch, dtype, count, progress):
+def tune(kernel, d_block, stages, device, arch, count, progress):
     """Rows (candidate, total us or None where it spills, us per stage, difference) of the
     candidates of ``kernel`` for heads of ``d_block``, and the fastest; it is left in the tables."""
     references = [stage.outputs() for stage in stages]
@@ -120,7 +121,7 @@ def tune(kernel, d_block, stages, device, arch, dtype, count, progress):
     for candidate in candidates(kernel, d_block, count):
         set_candidate(kernel, d_block, candidate)
         progress.update()
-        if spills(kernel, stages[0].d, arch, dtype):
+        if spills(kernel, stages[0].d, arch, str(stages[0].x.dtype).split('.')[-1]):
             rows.append((candidate, None, [], None))
             continue
         difference = max(bench.relative_error(stage.outputs(), reference)
@@ -165,7 +166,7 @@ def main():
     progress = tqdm(total=sum(len(candidates(*job, args.candidates)) for job in jobs),
                     desc='candidates')
     for kernel, d_block in jobs:
-        rows, best = tune(kernel, d_block, list(by_width[d_block].values()), device, arch, dtype,
+        rows, best = tune(kernel, d_block, list(by_width[d_block].values()), device, arch,
                           args.candidates, progress)
         progress.clear()
         print_rows(f'{kernel}, heads of {d_block} channels', rows, best, arch,
