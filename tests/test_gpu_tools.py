@@ -1,0 +1,106 @@
+"""The GPU tools that run without a GPU: ``compile_kernels.py`` compiles every kernel
+specialisation for sm_90, and the tile-tuning tools (``tune_band_tiles.py``,
+``tune_fused_tiles.py``) run in Triton's interpreter and check spills by compiling. Each test
+starts the tool in its own process."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_kernels_compile_for_sm90_without_spills():
+    """Every kernel specialisation PVT-Tiny, PVTv2-b0 and Swin-T use (float16 tokens, as under
+    mmdet's AmpOptimWrapper) compiles for sm_90 with Triton's own compiler, without a GPU, with
+    no spills and shared memory within the limit."""
+    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
+    out = subprocess.run([sys.executable, 'tools/analysis/compile_kernels.py', '--arch', '90',
+                          '--dtypes', 'float16', '--json'], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout)
+    kernels = {r['kernel'] for r in rows}
+    assert kernels == {'_moments_kernel', '_output_kernel', '_token_gradients_kernel',
+                       '_parameter_gradients_kernel', '_input_gradient_kernel',
+                       '_parameters_kernel', '_parameters_backward_kernel', '_band_matmul_kernel',
+                       '_band_outer_kernel', '_fused_output_kernel',
+                       '_fused_token_gradients_kernel', '_fused_input_gradient_kernel'}
+    for r in rows:
+        assert r['arch'] == 90 and set(r) >= {'kernel', 'registers', 'spills', 'shared_bytes'}
+        assert r['spills'] == 0 and r['shared_bytes'] <= 227 * 1024, r
+        assert 0 < r['registers'] <= 255
+
+
+def assert_compiles_without_spills(statement):
+    """Runs ``statement`` in tools/analysis without Triton's interpreter (a tool's spill check,
+    which compiles for a GPU without one) and asserts that the last thing it prints is 0."""
+    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
+    check = subprocess.run([sys.executable, '-c', statement],
+                           cwd=os.path.join(ROOT, 'tools', 'analysis'), env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert check.returncode == 0 and check.stdout.split()[-1] == '0', check.stderr[-3000:]
+
+
+def test_tile_tuning_tool():
+    """tools/analysis/tune_band_tiles.py, in the interpreter on grids 20 times smaller, two
+    candidates per operand: every candidate's products equal the current tiles', the fastest of
+    each operand is marked, and the tables are printed as Python source; ``--operands`` tunes
+    only the operands named; without the interpreter its spill check compiles a candidate for
+    sm_90 (no GPU)."""
+    def interpreted(*args):
+        return subprocess.run([sys.executable, 'tools/analysis/tune_band_tiles.py', '--device',
+                               'cpu', '--shrink', '20', '--iters', '1', *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=600,
+                              env={**os.environ, 'TRITON_INTERPRET': '1'})
+
+    out = interpreted('--candidates', '2', '--stages', 'pvt_tiny:2', 'pvt_tiny:3')
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert 'not checked for spills (interpreter)' in text
+    operands = ('matrices', 'transposed', 'tokens', 'outer matrices', 'outer tokens')
+    for operand in operands:
+        section = text.split(f'\n{operand}\n')[1].split('\n\n')[0].splitlines()
+        assert len(section) == 2 and sum('<- fastest' in line for line in section) == 1, text
+        differences = [float(line.split('(difference ')[1].split(')')[0]) for line in section]
+        assert max(differences) < 1e-5, section
+    namespace = {}
+    exec(text[text.index('MATMUL_TILES = {'):], namespace)
+    assert set(namespace['MATMUL_TILES']) == {'matrices', 'transposed', 'tokens'}
+    assert set(namespace['OUTER_TILES']) == {'matrices', 'tokens'}
+    # --operands tunes only those named; the tables still print in full
+    out = interpreted('--candidates', '1', '--stages', 'pvt_tiny:3', '--operands', 'outer tokens')
+    assert out.returncode == 0, out.stderr[-3000:]
+    tuned = [line for line in out.stdout.splitlines() if line in operands]
+    assert tuned == ['outer tokens'] and 'OUTER_TILES = {' in out.stdout, out.stdout
+    assert_compiles_without_spills('import tune_band_tiles as t; '
+                                   'print(t.spills("tokens", 90, "float16"))')
+
+
+def test_fused_tile_tuning_tool():
+    """tools/analysis/tune_fused_tiles.py, in the interpreter on a grid 25 times smaller, two
+    candidates of the token gradients: y and dx equal the current tables', the fastest is marked
+    and the tables are printed as Python source; stages that do not run the fused passes are
+    refused; without the interpreter its spill check compiles a candidate for sm_90 (no GPU)."""
+    tool = os.path.join(ROOT, 'tools', 'analysis', 'tune_fused_tiles.py')
+    env = {**os.environ, 'TRITON_INTERPRET': '1'}
+    out = subprocess.run([sys.executable, tool, '--device', 'cpu', '--shrink', '25', '--batch',
+                          '1', '--candidates', '2', '--stages', 'pvt_tiny:3', '--kernels',
+                          'token_gradients'], capture_output=True, text=True, timeout=600,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert 'not checked for spills (interpreter)' in text
+    section = text.split('\ntoken_gradients, heads of 64 channels\n')[1].split('\n\n')[0]
+    lines = section.splitlines()
+    assert len(lines) == 2 and sum('<- fastest' in line for line in lines) == 1, text
+    assert max(float(line.split('(difference ')[1].split(')')[0]) for line in lines) < 2e-3
+    namespace = {}
+    exec(text[text.index('TILES = {'):], namespace)
+    assert set(namespace['TILES']) == set(namespace['WALKS']) == {
+        'output', 'token_gradients', 'input_gradient'}
+    pooled = subprocess.run([sys.executable, tool, '--device', 'cpu', '--stages', 'pvt_tiny:1'],
+                            capture_output=True, text=True, timeout=600, env=env)
+    assert pooled.returncode == 2 and 'none of these stages runs the fused passes' in pooled.stderr
+    assert_compiles_without_spills('import tune_fused_tiles as t; '
+                                   'print(t.spills("token_gradients", 64, 90, "float16"))')
