@@ -10,13 +10,17 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def compiling_env():
+    """This environment without TRITON_INTERPRET: Triton compiles for GPUs (without one here)."""
+    return {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
+
+
 def test_kernels_compile_for_sm90_without_spills():
     """Every kernel specialisation PVT-Tiny, PVTv2-b0 and Swin-T use (float16 tokens, as under
     mmdet's AmpOptimWrapper) compiles for sm_90 with Triton's own compiler, without a GPU, with
     no spills and shared memory within the limit."""
-    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
     out = subprocess.run([sys.executable, 'tools/analysis/compile_kernels.py', '--arch', '90',
-                          '--dtypes', 'float16', '--json'], cwd=ROOT, env=env,
+                          '--dtypes', 'float16', '--json'], cwd=ROOT, env=compiling_env(),
                          capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout)
@@ -35,9 +39,8 @@ def test_kernels_compile_for_sm90_without_spills():
 def assert_compiles_without_spills(statement):
     """Runs ``statement`` in tools/analysis without Triton's interpreter (a tool's spill check,
     which compiles for a GPU without one) and asserts that the last thing it prints is 0."""
-    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
     check = subprocess.run([sys.executable, '-c', statement],
-                           cwd=os.path.join(ROOT, 'tools', 'analysis'), env=env,
+                           cwd=os.path.join(ROOT, 'tools', 'analysis'), env=compiling_env(),
                            capture_output=True, text=True, timeout=600)
     assert check.returncode == 0 and check.stdout.split()[-1] == '0', check.stderr[-3000:]
 

@@ -31,12 +31,11 @@ import torch
 from tqdm import tqdm
 
 from benchmark_norm import DTYPES, selected_stages, stage_label
-from compile_kernels import compile_for
-from tuning import add_tuning_arguments, fastest, print_rows, tables_literal, target
+from tuning import (add_tuning_arguments, fastest, print_rows, spilled_bytes, tables_literal,
+                    target)
 from mmdtn import DynamicTokenNorm
 from mmdtn.models.layers.dtn import function
 from mmdtn.models.layers.dtn.backends import triton_band, triton_kernels
-from mmdtn.models.layers.dtn.backends.triton import interpreting
 from mmdtn.models.layers.dtn.grid import TokenGrid
 
 
@@ -85,11 +84,9 @@ def spec(operand):
 
 
 def spills(operand, arch, dtype):
-    """Bytes spilled by ``operand``'s kernel with the current tiles, compiled for sm_<arch>; None
-    in Triton's interpreter, whose kernels do not compile."""
-    if interpreting():
-        return None
-    return compile_for(*spec(operand), dtype, arch)[1]
+    """Bytes spilled by ``operand``'s kernel with the current tiles
+    (:func:`.tuning.spilled_bytes`)."""
+    return spilled_bytes(spec(operand), dtype, arch)
 
 
 class StageProducts:

@@ -39,11 +39,10 @@ from tqdm import tqdm
 
 import benchmark_norm as bench
 from benchmark_norm import DTYPES, selected_stages, stage_label
-from compile_kernels import compile_for
-from tuning import add_tuning_arguments, fastest, print_rows, tables_literal, target
+from tuning import (add_tuning_arguments, fastest, print_rows, spilled_bytes, tables_literal,
+                    target)
 from mmdtn import set_dtn_backend
 from mmdtn.models.layers.dtn.backends import triton_fused
-from mmdtn.models.layers.dtn.backends.triton import interpreting
 
 #: The fused kernels in the order the tables list them, with their index in
 #: :func:`.triton_fused.specializations`.
@@ -51,11 +50,6 @@ KERNELS = {'output': 0, 'token_gradients': 1, 'input_gradient': 2}
 #: Candidates: (tokens, warps) of TILES and (rows a step, loads in flight) of WALKS.
 CANDIDATES = [(tile, walk) for tile, walk in itertools.product(
     [(16, 4), (16, 8), (16, 2), (32, 4), (32, 8), (32, 2)], [(1, 1), (2, 1), (2, 2)])]
-
-
-def width(C, heads):
-    """The head width the tables are keyed by: channels per head padded to 32 or 64."""
-    return max(32, 1 << (C // heads - 1).bit_length())
 
 
 def current(kernel, d_block):
@@ -68,12 +62,9 @@ def set_candidate(kernel, d_block, candidate):
 
 
 def spills(kernel, d, arch, dtype):
-    """Bytes spilled by ``kernel`` for heads of d channels with the tables as they are, compiled
-    for sm_<arch> for tokens of ``dtype`` (its name, e.g. 'float16'); None in Triton's
-    interpreter, whose kernels do not compile."""
-    if interpreting():
-        return None
-    return compile_for(*triton_fused.specializations(d)[KERNELS[kernel]], dtype, arch)[1]
+    """Bytes spilled by ``kernel`` for heads of d channels with the tables as they are, tokens of
+    ``dtype`` (its name, e.g. 'float16'; :func:`.tuning.spilled_bytes`)."""
+    return spilled_bytes(triton_fused.specializations(d)[KERNELS[kernel]], dtype, arch)
 
 
 class StageLayer:
@@ -152,8 +143,9 @@ def main():
     for model, stage, C, H, W, pool, heads in selected_stages(parser, args.stages):
         if pool == 1 and triton_fused.can_fuse(pool, C // heads):
             H, W = max(1, H // args.shrink), max(1, W // args.shrink)
-            by_width.setdefault(width(C, heads), {})[stage_label(model, stage, C, H, W, pool)] = (
-                StageLayer(C, H, W, heads, args.batch, dtype, device))
+            label = stage_label(model, stage, C, H, W, pool)
+            by_width.setdefault(triton_fused.head_block(C // heads), {})[label] = StageLayer(
+                C, H, W, heads, args.batch, dtype, device)
     if not by_width:
         parser.error('none of these stages runs the fused passes (no pooling, heads of at most '
                      f'{triton_fused.MAX_HEAD_CHANNELS} channels)')

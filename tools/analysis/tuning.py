@@ -4,6 +4,7 @@ rows of each tuned table, and the choice of the fastest candidate."""
 import torch
 
 from benchmark_norm import DTYPES, add_stages_argument
+from compile_kernels import compile_for
 from mmdtn.models.layers.dtn.backends.triton import interpreting
 
 
@@ -31,6 +32,14 @@ def target(args):
     name = torch.cuda.get_device_name(device) if device.type == 'cuda' else device.type
     checked = 'not checked for spills (interpreter)' if interpreting() else f'sm_{arch}'
     return device, arch, f'{name} ({checked})'
+
+
+def spilled_bytes(spec, dtype, arch):
+    """Bytes spilled by ``spec`` = (kernel, constexprs, num_warps) compiled for sm_<arch>, tokens
+    of ``dtype`` (its name); None in Triton's interpreter, whose kernels do not compile."""
+    if interpreting():
+        return None
+    return compile_for(*spec, dtype, arch)[1]
 
 
 def fastest(rows, tolerance):

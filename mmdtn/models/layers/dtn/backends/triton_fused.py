@@ -573,9 +573,15 @@ def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
 
 
 # ---------------------------------------------------------------------------- specialisations
+def head_block(d):
+    """The width :data:`TILES` and :data:`WALKS` are keyed by for heads of d channels: d padded to
+    32 or the power of two above it."""
+    return max(32, triton.next_power_of_2(d))
+
+
 def _spec(kernel, name, d):
     """(kernel, constexprs, num_warps) of one fused kernel for heads of d channels."""
-    d_block = max(32, triton.next_power_of_2(d))
+    d_block = head_block(d)
     tokens, warps = TILES[name][d_block]
     unroll, stages = WALKS[name][d_block]
     return kernel, dict(TOKENS=tokens, BAND=BAND, D_BLOCK=d_block, SPAN_BLOCK=SPAN_BLOCK,
