@@ -148,6 +148,33 @@ def test_fused_input_gradient_programs_of_several_token_rows(triton_dtn, fused_p
     assert sums and set(sums) == {2 * 7 * 20 * 8 * 4 + 2 * -(-7 // rows) * 6 * 8 * 4}  # dx, sums
 
 
+def test_fused_passes_take_the_tiles_of_the_gpus_architecture(
+        triton_dtn, fused_passes, monkeypatch):
+    """A GPU's compute capability selects the fused kernels' tiles: on sm_80 the token gradients
+    for heads of 32 channels take 4 warps (ARCH_TILES; with TILES' 2 they spill there), on other
+    GPUs and in the interpreter TILES'. With sm_80's tiles the layer equals the dense reference,
+    forward and every gradient."""
+    assert triton_fused.architecture(torch.device('cpu')) is None
+    assert triton_fused.tiles('token_gradients', 32, 80) == (16, 4)
+    for arch in (None, 86, 90):
+        assert triton_fused.tiles('token_gradients', 32, arch) == (16, 2)
+        assert triton_fused.tiles('token_gradients', 64, arch) == triton_fused.tiles(
+            'token_gradients', 64, 80)
+    warps = {}
+    launch = triton_fused.launch
+
+    def noted(name, spec, *args):
+        warps[name] = spec[2]
+        launch(name, spec, *args)
+
+    monkeypatch.setattr(triton_fused, 'launch', noted)
+    monkeypatch.setattr(triton_fused, 'architecture', lambda device: 80)
+    norm = randomize(DynamicTokenNorm(64, 2, eps=1e-5)).float().to(DEVICE)  # heads of 32
+    x = tokens(1, 5, 18, 64, torch.float32).to(DEVICE)
+    assert max(relative_errors(norm, x, (5, 18))) < 1e-5
+    assert warps['triton.fused_token_gradients'] == 4, warps
+
+
 def outputs_and_gradients(norm, x, hw):
     x = x.detach().requires_grad_()
     y = norm(x, hw)

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from mmdtn.models.layers.dtn.backends import triton_fused
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -84,7 +86,8 @@ def test_fused_tile_tuning_tool():
     """tools/analysis/tune_fused_tiles.py, in the interpreter on a grid 25 times smaller, two
     candidates of the token gradients: y and dx equal the current tables', the fastest is marked
     and the tables are printed as Python source; stages that do not run the fused passes are
-    refused; without the interpreter its spill check compiles a candidate for sm_90 (no GPU)."""
+    refused; without the interpreter its spill check compiles a candidate for sm_90, and sm_80's
+    own tiles for sm_80 (no GPU)."""
     tool = os.path.join(ROOT, 'tools', 'analysis', 'tune_fused_tiles.py')
     env = {**os.environ, 'TRITON_INTERPRET': '1'}
     out = subprocess.run([sys.executable, tool, '--device', 'cpu', '--shrink', '25', '--batch',
@@ -102,8 +105,12 @@ def test_fused_tile_tuning_tool():
     exec(text[text.index('TILES = {'):], namespace)
     assert set(namespace['TILES']) == set(namespace['WALKS']) == {
         'output', 'token_gradients', 'input_gradient'}
+    assert namespace['ARCH_TILES'] == triton_fused.ARCH_TILES
     pooled = subprocess.run([sys.executable, tool, '--device', 'cpu', '--stages', 'pvt_tiny:1'],
                             capture_output=True, text=True, timeout=600, env=env)
     assert pooled.returncode == 2 and 'none of these stages runs the fused passes' in pooled.stderr
     assert_compiles_without_spills('import tune_fused_tiles as t; '
                                    'print(t.spills("token_gradients", 64, 90, "float16"))')
+    # sm_80's own tiles (triton_fused.ARCH_TILES), where TILES spill there
+    assert_compiles_without_spills('import tune_fused_tiles as t; '
+                                   'print(t.spills("token_gradients", 32, 80, "float16"))')

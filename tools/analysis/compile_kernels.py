@@ -28,6 +28,7 @@ from tqdm import tqdm
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 from triton.compiler import ASTSource
 
 import mmdtn  # noqa: F401
@@ -42,10 +43,14 @@ MODELS = {
 }
 DTYPES = {'float16': 'fp16', 'bfloat16': 'bf16', 'float32': 'fp32'}
 FLOAT_ARGUMENTS = ('eps', 'n_var')
-#: Registers and shared memory per block of the targets (CUDA programming guide, compute
-#: capabilities 8.0 and 9.0).
+#: Registers per thread and shared memory per block of the targets (CUDA programming guide, by
+#: compute capability: A100, A10/A40/RTX 30, L4/L40/RTX 40, H100/H200, B200, RTX 50).
 LIMITS = {80: dict(registers=255, shared_bytes=163 * 1024),
-          90: dict(registers=255, shared_bytes=227 * 1024)}
+          86: dict(registers=255, shared_bytes=99 * 1024),
+          89: dict(registers=255, shared_bytes=99 * 1024),
+          90: dict(registers=255, shared_bytes=227 * 1024),
+          100: dict(registers=255, shared_bytes=227 * 1024),
+          120: dict(registers=255, shared_bytes=99 * 1024)}
 
 
 def dtn_layers(model, sizes):
@@ -102,6 +107,12 @@ def nvidia_tool(name):
     return os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin', name)
 
 
+def ptxas(arch):
+    """The ptxas Triton compiles sm_<arch> with (for sm_100 and above a newer one) and the name of
+    that GPU for it (sm_90a, ...)."""
+    return get_ptxas(arch).path, sm_arch_from_capability(arch)
+
+
 def resources(compiled, arch):
     """Registers, spilled bytes and static shared memory of a compiled kernel."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -113,8 +124,8 @@ def resources(compiled, arch):
             f.write(compiled.asm['ptx'])
         usage = subprocess.run([nvidia_tool('cuobjdump'), '--dump-resource-usage', cubin],
                                capture_output=True, text=True, check=True).stdout
-        gpu = f'sm_{arch}a' if arch >= 90 else f'sm_{arch}'
-        report = subprocess.run([nvidia_tool('ptxas'), '-v', f'--gpu-name={gpu}', ptx, '-o',
+        tool, gpu = ptxas(arch)
+        report = subprocess.run([tool, '-v', f'--gpu-name={gpu}', ptx, '-o',
                                  os.path.join(tmp, 'check.cubin')],
                                 capture_output=True, text=True, check=True).stderr
     registers = int(re.search(r'REG:(\d+)', usage).group(1))
@@ -133,12 +144,28 @@ def compile_for(kernel, constexprs, warps, dtype, arch):
     return resources(compiled, arch)
 
 
+def architecture_jobs(layers, conventions, dtypes, arch):
+    """{(kernel name, constexprs, warps, dtype): (kernel, constexprs, warps, dtype)}: every
+    specialisation the DTN ``layers`` (C, pool, heads) launch on compute capability ``arch``, once
+    each."""
+    specs = [spec for C, pool, heads in sorted(layers) for square in conventions
+             for fused in (False, True)  # the staged passes and, where they run, the fused ones
+             for spec in specializations(C, pool, heads, square, fused, arch)]
+    specs += triton_parameters.specializations() + triton_band.specializations()
+    jobs = {}
+    for kernel, constexprs, warps in specs:
+        for dtype in dtypes:
+            key = (kernel.fn.__name__, tuple(sorted(constexprs.items())), warps, dtype)
+            jobs[key] = (kernel, constexprs, warps, dtype)
+    return jobs
+
+
 def main():
     if os.environ.get('TRITON_INTERPRET') == '1':
         sys.exit('compile_kernels.py compiles for GPUs: unset TRITON_INTERPRET')
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--arch', type=int, nargs='+', default=[80, 90],
-                        help='compute capabilities, e.g. 80 (A100) 90 (H100)')
+                        help='compute capabilities, e.g. 80 (A100) 90 (H100) 100 (B200)')
     parser.add_argument('--models', nargs='+', default=sorted(MODELS), choices=sorted(MODELS))
     parser.add_argument('--dtypes', nargs='+', default=sorted(DTYPES), choices=sorted(DTYPES))
     parser.add_argument('--sizes', nargs='+', default=['800x1344', '512x512'],
@@ -155,17 +182,9 @@ def main():
         layers |= model_layers
         grids[model] = sorted(model_grids)
     conventions = [False, True] if args.reference_compat else [False]
-    specs = [spec for C, pool, heads in sorted(layers) for square in conventions
-             for fused in (False, True)  # the staged passes and, where they run, the fused ones
-             for spec in specializations(C, pool, heads, square, fused)]
-    specs += triton_parameters.specializations() + triton_band.specializations()
-    jobs = {}
-    for kernel, constexprs, warps in specs:
-        for dtype in args.dtypes:
-            key = (kernel.fn.__name__, tuple(sorted(constexprs.items())), warps, dtype)
-            jobs[key] = (kernel, constexprs, warps, dtype)
     rows = []
     for arch in args.arch:
+        jobs = architecture_jobs(layers, conventions, args.dtypes, arch)
         for (name, _, warps, dtype), (kernel, constexprs, _, _) in tqdm(
                 sorted(jobs.items()), desc=f'sm_{arch}', disable=args.json):
             registers, spills, shared = compile_for(kernel, constexprs, warps, dtype, arch)

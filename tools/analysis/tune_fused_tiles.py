@@ -1,10 +1,12 @@
 """Time candidate tiles of the Triton backend's fused passes without pooling on a GPU and print the
-fastest for each kernel and head width, as ``TILES`` and ``WALKS`` of
+fastest for each kernel and head width, as ``TILES``, ``WALKS`` and ``ARCH_TILES`` of
 ``mmdtn/models/layers/dtn/backends/triton_fused.py``.
 
-The tables there were chosen on an H200 (README, "Measured on an H200"). On another GPU, run this
-tool and put the printed tables in their place (``tune_band_tiles.py`` does the same for the band
-products that run with pooling).
+The tables there were chosen on an H200 (README, "Measured on an H200"); ``ARCH_TILES`` replaces
+tiles that another architecture's compiler spills. On another GPU, run this tool and put the
+printed tables in their place (``tune_band_tiles.py`` does the same for the band products that
+run with pooling). A candidate is written where the GPU's layer reads it: into ``ARCH_TILES`` for
+the kernels and widths it has for the GPU's architecture, else into ``TILES``.
 
 For every fused kernel (the output, the token gradients, the input gradient) and head width
 (channels per head, padded to 32 or 64) of the chosen stages without pooling, each candidate
@@ -52,19 +54,26 @@ CANDIDATES = [(tile, walk) for tile, walk in itertools.product(
     [(16, 4), (16, 8), (16, 2), (32, 4), (32, 8), (32, 2)], [(1, 1), (2, 1), (2, 2)])]
 
 
-def current(kernel, d_block):
-    return triton_fused.TILES[kernel][d_block], triton_fused.WALKS[kernel][d_block]
+def tiles_table(kernel, d_block, arch):
+    """The table of (tokens, warps) the layer takes ``kernel``'s tiles for heads of ``d_block``
+    channels from on compute capability ``arch``: ARCH_TILES' where it has them, else TILES'."""
+    own = triton_fused.ARCH_TILES.get(arch, {}).get(kernel, {})
+    return own if d_block in own else triton_fused.TILES[kernel]
 
 
-def set_candidate(kernel, d_block, candidate):
-    triton_fused.TILES[kernel][d_block], triton_fused.WALKS[kernel][d_block] = candidate
+def current(kernel, d_block, arch):
+    return triton_fused.tiles(kernel, d_block, arch), triton_fused.WALKS[kernel][d_block]
+
+
+def set_candidate(kernel, d_block, arch, candidate):
+    tiles_table(kernel, d_block, arch)[d_block], triton_fused.WALKS[kernel][d_block] = candidate
     triton_fused.specializations.cache_clear()
 
 
 def spills(kernel, d, arch, dtype):
-    """Bytes spilled by ``kernel`` for heads of d channels with the tables as they are, tokens of
-    ``dtype`` (its name, e.g. 'float16'; :func:`.tuning.spilled_bytes`)."""
-    return spilled_bytes(triton_fused.specializations(d)[KERNELS[kernel]], dtype, arch)
+    """Bytes spilled by ``kernel`` for heads of d channels with the tables as they are, compiled
+    for sm_<arch>, tokens of ``dtype`` (its name, e.g. 'float16'; :func:`.tuning.spilled_bytes`)."""
+    return spilled_bytes(triton_fused.specializations(d, arch)[KERNELS[kernel]], dtype, arch)
 
 
 class StageLayer:
@@ -97,20 +106,21 @@ def tolerance(dtype):
     return max(1e-5, 2 * torch.finfo(dtype).eps)
 
 
-def candidates(kernel, d_block, count):
-    """The current tiles of ``kernel`` for heads of ``d_block``, then the others: ``count`` in all
-    (or all)."""
-    now = current(kernel, d_block)
+def candidates(kernel, d_block, arch, count):
+    """The current tiles of ``kernel`` for heads of ``d_block`` on ``arch``, then the others:
+    ``count`` in all (or all)."""
+    now = current(kernel, d_block, arch)
     return ([now] + [c for c in CANDIDATES if c != now])[:count]
 
 
 def tune(kernel, d_block, stages, device, arch, count, progress):
     """Rows (candidate, total us or None where it spills, us per stage, difference) of the
-    candidates of ``kernel`` for heads of ``d_block``, and the fastest; it is left in the tables."""
+    candidates of ``kernel`` for heads of ``d_block`` on compute capability ``arch`` (the GPU's;
+    None in the interpreter), and the fastest; it is left in the tables."""
     references = [stage.outputs() for stage in stages]
     rows = []
-    for candidate in candidates(kernel, d_block, count):
-        set_candidate(kernel, d_block, candidate)
+    for candidate in candidates(kernel, d_block, arch, count):
+        set_candidate(kernel, d_block, arch, candidate)
         progress.update()
         if spills(kernel, stages[0].d, arch, str(stages[0].x.dtype).split('.')[-1]):
             rows.append((candidate, None, [], None))
@@ -120,14 +130,16 @@ def tune(kernel, d_block, stages, device, arch, count, progress):
         times = [stage.microseconds(device) for stage in stages]
         rows.append((candidate, sum(times), times, difference))
     best = fastest(rows, tolerance(stages[0].x.dtype))
-    set_candidate(kernel, d_block, best)
+    set_candidate(kernel, d_block, arch, best)
     return rows, best
 
 
 def tables():
-    """TILES and WALKS as Python source."""
-    return tables_literal(triton_fused, ('TILES', 'WALKS'), lambda by_width: '{' + ', '.join(
-        f'{d_block}: {value}' for d_block, value in sorted(by_width.items())) + '}')
+    """TILES, WALKS and ARCH_TILES as Python source."""
+    return '\n'.join([
+        tables_literal(triton_fused, ('TILES', 'WALKS'), lambda by_width: '{' + ', '.join(
+            f'{d_block}: {value}' for d_block, value in sorted(by_width.items())) + '}'),
+        tables_literal(triton_fused, ('ARCH_TILES', ), repr)])
 
 
 def main():
@@ -138,6 +150,10 @@ def main():
     args = parser.parse_args()
     triton_fused.ENABLED = True
     device, arch, header = target(args)
+    # the layer runs its GPU's tiles (triton_fused.tiles; in the interpreter TILES, unchecked)
+    layout = triton_fused.architecture(device)
+    if layout is not None and layout != arch:
+        parser.error(f'--arch {arch}: the layer on this GPU runs the tiles of sm_{layout}')
     dtype = DTYPES[args.dtype]
     by_width = {}
     for model, stage, C, H, W, pool, heads in selected_stages(parser, args.stages):
@@ -155,10 +171,11 @@ def main():
     for d_block, stages in sorted(by_width.items()):
         print(f'heads of {d_block} channels: ' + ', '.join(stages), flush=True)
     jobs = [(kernel, d_block) for kernel in args.kernels for d_block in sorted(by_width)]
-    progress = tqdm(total=sum(len(candidates(*job, args.candidates)) for job in jobs),
+    progress = tqdm(total=sum(len(candidates(kernel, d_block, layout, args.candidates))
+                              for kernel, d_block in jobs),
                     desc='candidates')
     for kernel, d_block in jobs:
-        rows, best = tune(kernel, d_block, list(by_width[d_block].values()), device, arch,
+        rows, best = tune(kernel, d_block, list(by_width[d_block].values()), device, layout,
                           args.candidates, progress)
         progress.clear()
         print_rows(f'{kernel}, heads of {d_block} channels', rows, best, arch,

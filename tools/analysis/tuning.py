@@ -69,6 +69,6 @@ def tables_literal(module, tables, entry):
     for table in tables:
         lines.append(f'{table} = {{')
         for key, value in getattr(module, table).items():
-            lines.append(f"    '{key}': {entry(value)},")
+            lines.append(f'    {key!r}: {entry(value)},')
         lines.append('}')
     return '\n'.join(lines)

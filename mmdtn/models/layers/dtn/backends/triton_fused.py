@@ -56,8 +56,8 @@ from .triton_kernels import _channel_row, _ratio_rows, _standardised
 from .triton_launch import cdiv, launch
 
 __all__ = ['can_fuse', 'fuses', 'fused_output', 'fused_backward', 'specializations',
-           'gradient_dtype', 'MAX_HEAD_CHANNELS', 'GRADIENT_POINTERS', 'EXPONENT_POINTERS',
-           'PROGRAMS', 'rows_per_program']
+           'architecture', 'tiles', 'gradient_dtype', 'MAX_HEAD_CHANNELS', 'GRADIENT_POINTERS',
+           'EXPONENT_POINTERS', 'PROGRAMS', 'rows_per_program']
 
 #: Token columns of the band per step: the inner dimension of the products with P_x (tl.dot's
 #: least, 16).
@@ -76,9 +76,8 @@ EXPONENT_POINTERS = ('exponent_ptr',)
 #: call, which at batch 2 waits for the host, 0.58-0.72x the time; and a third of the memory.
 ENABLED = os.environ.get('MMDTN_TRITON_FUSED', '1') != '0'
 #: The widest heads the fused passes take: up to 64 channels all three compile without spills on
-#: sm_90 (on sm_80 the token gradients' tile for 32 spills 116-124 bytes; :data:`TILES`); for 128
-#: the token-gradients kernel spilled 16 bytes or more with every tile tried. Wider heads run the
-#: staged passes.
+#: sm_80 and sm_90 (:data:`TILES`, :data:`ARCH_TILES`); for 128 the token-gradients kernel spilled
+#: 16 bytes or more with every tile tried. Wider heads run the staged passes.
 MAX_HEAD_CHANNELS = 64
 #: (tokens of a token row per program, warps) by kernel and head width (channels, padded to 32 or
 #: 64), timed on an H200 (README, "Measured on an H200"; on another GPU, run
@@ -88,8 +87,8 @@ MAX_HEAD_CHANNELS = 64
 #: channels 16 tokens with 4 warps in the token gradients (8 before) and 16 with 8 in the output (32
 #: before) took PVT-Tiny's stage 3 from 1.08 to 0.82 ms. For heads of 32 channels the token
 #: gradients take 2 warps: with their sums reduced once per band step (:func:`_coefficient_sums`) 4
-#: spilled on sm_90, and 2 were the fastest tried on the H200 (they spill 116-124 bytes on sm_80, as
-#: every tile tried). The input gradient, which forms the parameter sums, takes 32 tokens for both
+#: spilled on sm_90, and 2 were the fastest tried on the H200 (on sm_80 they spill, and 4 do not:
+#: :data:`ARCH_TILES`). The input gradient, which forms the parameter sums, takes 32 tokens for both
 #: widths: it writes them half as often per token; over several token rows (:data:`PROGRAMS`) it
 #: holds the sums across them, and for heads of 64 channels spilled 136-552 bytes with 4 warps (5%
 #: faster on the H200 all the same) and none with 8. The tokens are the rows of P_x in one tl.dot
@@ -109,6 +108,16 @@ TILES = {
 #: (token gradients) and 14-16% (input gradient), but the output's up by 10-49%; loads in flight
 #: (2 or 3, through shared memory) took every kernel's up. Four rows a step spill on sm_90 in the
 #: input gradient and, for heads of 64 channels, in the token gradients.
+#: Tiles of :data:`TILES` replaced on one architecture, by compute capability (10 major + minor),
+#: where its compiler spills registers with them (``compile_kernels.py --arch 80 86 89 90``, triton
+#: 3.8). On sm_80 (A100, A30) the token gradients for heads of 32 channels spill 124 bytes with 2
+#: warps (none on sm_86, sm_89 and sm_90) and none with 4 (206 registers; on sm_86 to sm_90 4 warps
+#: spill 32 bytes). Chosen by the compiler's report, not timed on an A100
+#: (``tools/analysis/tune_fused_tiles.py`` times them on the GPU at hand).
+ARCH_TILES = {
+    80: {'token_gradients': {32: (16, 4)}},
+}
+
 WALKS = {
     'output': {32: (1, 1), 64: (1, 1)},
     'token_gradients': {32: (2, 1), 64: (2, 1)},
@@ -333,7 +342,7 @@ def fused_output(x, centre, p_y, p_x, ratios, weight, bias, eps, n_var, grid):
     y = torch.empty_like(x)
     operands = [x, centre.contiguous(), p_y.contiguous(), p_x.contiguous(), ratios.contiguous(),
                 weight.contiguous(), bias.contiguous()]
-    spec = specializations(grid.d)[0]
+    spec = specializations(grid.d, architecture(x.device))[0]
     launch('triton.fused_output', spec, (grid.B * grid.H, cdiv(grid.W, spec[1]['TOKENS'])),
            operands, [y], *operands, y, grid.H, grid.W, grid.C, grid.d, grid.heads, float(eps),
            float(n_var))
@@ -550,7 +559,8 @@ def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
     B, N, C = x.shape
     operands = [x, g, centre.contiguous(), p_y.contiguous(), p_x.contiguous(),
                 ratios.contiguous(), weight.contiguous()]
-    spec = specializations(grid.d)[1]
+    specs = specializations(grid.d, architecture(x.device))
+    spec = specs[1]
     programs = (B * grid.H, cdiv(grid.W, spec[1]['TOKENS']))
     dm = x.new_empty(2, B, N, C, dtype=gradient_dtype(x.dtype))
     exponents = x.new_empty(2, B, grid.heads, N if dm.dtype != torch.float32 else 0,
@@ -561,7 +571,7 @@ def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
            [dm, exponents, token, coefficients], *operands, dm, exponents, token, coefficients,
            grid.H, grid.W, C, grid.d, grid.heads, float(eps), float(n_var))
     dx = torch.empty_like(x)
-    spec = specializations(grid.d)[2]
+    spec = specs[2]
     blocks = cdiv(grid.W, spec[1]['TOKENS'])
     rows = rows_per_program(B * grid.H * blocks * grid.heads, grid.H)
     programs = (B * cdiv(grid.H, rows), blocks, grid.heads)
@@ -579,19 +589,39 @@ def head_block(d):
     return max(32, triton.next_power_of_2(d))
 
 
-def _spec(kernel, name, d):
-    """(kernel, constexprs, num_warps) of one fused kernel for heads of d channels."""
+@functools.lru_cache(maxsize=None)
+def _capability(index):
+    major, minor = torch.cuda.get_device_capability(index)
+    return 10 * major + minor
+
+
+def architecture(device):
+    """The compute capability (10 major + minor) of a CUDA ``device``, which selects its tiles
+    (:func:`tiles`); None elsewhere (the interpreter, meta tensors: :data:`TILES`)."""
+    if device.type != 'cuda':
+        return None
+    return _capability(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def tiles(name, d_block, arch=None):
+    """(tokens, warps) of kernel ``name`` for heads of ``d_block`` channels on compute capability
+    ``arch``: :data:`ARCH_TILES`' where it has them, else :data:`TILES`'."""
+    return ARCH_TILES.get(arch, {}).get(name, {}).get(d_block, TILES[name][d_block])
+
+
+def _spec(kernel, name, d, arch):
+    """(kernel, constexprs, num_warps) of one fused kernel for heads of d channels on ``arch``."""
     d_block = head_block(d)
-    tokens, warps = TILES[name][d_block]
+    tokens, warps = tiles(name, d_block, arch)
     unroll, stages = WALKS[name][d_block]
     return kernel, dict(TOKENS=tokens, BAND=BAND, D_BLOCK=d_block, SPAN_BLOCK=SPAN_BLOCK,
                         UNROLL=unroll, STAGES=stages), warps
 
 
 @functools.lru_cache(maxsize=None)
-def specializations(d):
-    """(kernel, constexprs, num_warps) of the fused passes for heads of d channels: the output,
-    the token gradients and the input gradient."""
-    return (_spec(_fused_output_kernel, 'output', d),
-            _spec(_fused_token_gradients_kernel, 'token_gradients', d),
-            _spec(_fused_input_gradient_kernel, 'input_gradient', d))
+def specializations(d, arch=None):
+    """(kernel, constexprs, num_warps) of the fused passes for heads of d channels on compute
+    capability ``arch`` (:func:`tiles`): the output, the token gradients and the input gradient."""
+    return (_spec(_fused_output_kernel, 'output', d, arch),
+            _spec(_fused_token_gradients_kernel, 'token_gradients', d, arch),
+            _spec(_fused_input_gradient_kernel, 'input_gradient', d, arch))

@@ -560,16 +560,17 @@ def _input_gradient_spec(C, pool, second):
     return _input_gradient_kernel, constexprs, 2 if constexprs['C_BLOCK'] <= 32 else warps
 
 
-def specializations(C, pool, heads, square_of_pooled=False, fused=None):
+def specializations(C, pool, heads, square_of_pooled=False, fused=None, arch=None):
     """The compiled kernels one DTN layer of C channels in ``heads`` heads and pooling ``pool``
     launches over the tokens, forward and backward, as (kernel, constexprs, num_warps): what a GPU
-    compiles for it (the tokens' dtype aside). The image size is not part of it. With ``fused``
-    (default: :func:`.triton_fused.fuses`) the passes without pooling are the fused kernels
-    (:mod:`.triton_fused`) where they take the heads."""
+    of compute capability ``arch`` compiles for it (the tokens' dtype aside). The image size is not
+    part of it. With ``fused`` (default: :func:`.triton_fused.fuses`) the passes without pooling
+    are the fused kernels (:mod:`.triton_fused`, whose tiles depend on ``arch``) where they take
+    the heads."""
     from . import triton_fused  # which imports this module's pieces of Eqs. 4-5
     fused = triton_fused.fuses(pool, C // heads) if fused is None else fused
     if fused and triton_fused.can_fuse(pool, C // heads):
-        return [*triton_fused.specializations(C // heads), _parameter_gradients_spec()]
+        return [*triton_fused.specializations(C // heads, arch), _parameter_gradients_spec()]
     passes = [_output_spec(C, pool), _token_gradients_spec(C, pool), _parameter_gradients_spec(),
               _input_gradient_spec(C, pool, pool == 1 or not square_of_pooled)]
     if pool > 1:  # T of the tokens: no moments pass without pooling
