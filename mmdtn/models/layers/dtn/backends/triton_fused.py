@@ -99,6 +99,16 @@ TILES = {
     'input_gradient': {32: (32, 4), 64: (32, 8)},
 }
 
+#: Tiles of :data:`TILES` replaced on one architecture, by compute capability (10 major + minor),
+#: where its compiler spills registers with them (``compile_kernels.py --arch 80 86 89 90``, triton
+#: 3.8). On sm_80 (A100, A30) the token gradients for heads of 32 channels spill 124 bytes with 2
+#: warps (none on sm_86, sm_89 and sm_90) and none with 4 (206-210 registers; on sm_86 to sm_90 4
+#: warps spill 24-32 bytes). Chosen by the compiler's report, not timed on an A100
+#: (``tools/analysis/tune_fused_tiles.py`` times them on the GPU at hand).
+ARCH_TILES = {
+    80: {'token_gradients': {32: (16, 4)}},
+}
+
 #: The walk over P_y^h's band (its rows r in :func:`_products` and :func:`_coefficient_sums`), by
 #: kernel and head width as :data:`TILES`: (rows unrolled per step, loads in flight), Triton's
 #: ``loop_unroll_factor`` and ``num_stages`` of the loop. A step reads a tile of BAND token columns
@@ -108,16 +118,6 @@ TILES = {
 #: (token gradients) and 14-16% (input gradient), but the output's up by 10-49%; loads in flight
 #: (2 or 3, through shared memory) took every kernel's up. Four rows a step spill on sm_90 in the
 #: input gradient and, for heads of 64 channels, in the token gradients.
-#: Tiles of :data:`TILES` replaced on one architecture, by compute capability (10 major + minor),
-#: where its compiler spills registers with them (``compile_kernels.py --arch 80 86 89 90``, triton
-#: 3.8). On sm_80 (A100, A30) the token gradients for heads of 32 channels spill 124 bytes with 2
-#: warps (none on sm_86, sm_89 and sm_90) and none with 4 (206 registers; on sm_86 to sm_90 4 warps
-#: spill 32 bytes). Chosen by the compiler's report, not timed on an A100
-#: (``tools/analysis/tune_fused_tiles.py`` times them on the GPU at hand).
-ARCH_TILES = {
-    80: {'token_gradients': {32: (16, 4)}},
-}
-
 WALKS = {
     'output': {32: (1, 1), 64: (1, 1)},
     'token_gradients': {32: (2, 1), 64: (2, 1)},
