@@ -6,7 +6,9 @@ backward; without pooling the fused passes and the staged ones, ``MMDTN_TRITON_F
 tokens' dtypes given; both statistics conventions with ``--reference-compat``) is
 compiled by Triton's own compiler for each ``--arch`` (``triton.compile`` with a ``GPUTarget``,
 then NVIDIA's ``ptxas``, both shipped with triton). The resource use comes from the cubin
-(``cuobjdump --dump-resource-usage``) and ``ptxas``'s spill report. The image sizes (default
+(``cuobjdump --dump-resource-usage``: registers, shared memory, the stack frame, where spills
+live) and ``ptxas``'s spill report; a kernel is within limits with neither spills nor a stack
+frame and its shared memory within the architecture's limit. The image sizes (default
 800 x 1344 and mmseg's 512 x 512) are checked to add no specialisation: H and W are runtime
 arguments of every kernel.
 
@@ -114,7 +116,10 @@ def ptxas(arch):
 
 
 def resources(compiled, arch):
-    """Registers, spilled bytes and static shared memory of a compiled kernel."""
+    """Registers, spilled bytes, static shared memory and stack frame of a compiled kernel:
+    registers, shared memory and stack frame from Triton's own cubin, spills from ptxas's report
+    on Triton's PTX (Triton's compile keeps its log to itself). Spills live in the stack frame, so
+    a frame where ptxas reports none would say that the report missed them."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, 'kernel.cubin')
         ptx = os.path.join(tmp, 'kernel.ptx')
@@ -131,12 +136,13 @@ def resources(compiled, arch):
     registers = int(re.search(r'REG:(\d+)', usage).group(1))
     spills = sum(int(n) for n in re.findall(r'(\d+) bytes spill (?:stores|loads)', report))
     shared = max(int(re.search(r'SHARED:(\d+)', usage).group(1)), compiled.metadata.shared)
-    return registers, spills, shared
+    stack = int(re.search(r'STACK:(\d+)', usage).group(1))
+    return registers, spills, shared, stack
 
 
 def compile_for(kernel, constexprs, warps, dtype, arch):
-    """Registers, spilled bytes and shared memory of ``kernel`` with ``constexprs`` and ``warps``
-    compiled for sm_<arch>, for tokens of ``dtype``."""
+    """Registers, spilled bytes, shared memory and stack frame (:func:`resources`) of ``kernel``
+    with ``constexprs`` and ``warps`` compiled for sm_<arch>, for tokens of ``dtype``."""
     source = ASTSource(fn=kernel, signature=signature(kernel, constexprs, dtype),
                        constexprs=constexprs)
     compiled = triton.compile(source, target=GPUTarget('cuda', arch, 32),
@@ -187,11 +193,13 @@ def main():
         jobs = architecture_jobs(layers, conventions, args.dtypes, arch)
         for (name, _, warps, dtype), (kernel, constexprs, _, _) in tqdm(
                 sorted(jobs.items()), desc=f'sm_{arch}', disable=args.json):
-            registers, spills, shared = compile_for(kernel, constexprs, warps, dtype, arch)
+            registers, spills, shared, stack = compile_for(kernel, constexprs, warps, dtype,
+                                                           arch)
             rows.append(dict(kernel=name, arch=arch, dtype=dtype, num_warps=warps,
                              constexprs=constexprs, registers=registers, spills=spills,
-                             shared_bytes=shared,
-                             within_limits=(spills == 0 and shared <= LIMITS[arch]['shared_bytes']
+                             shared_bytes=shared, stack_bytes=stack,
+                             within_limits=(spills == stack == 0
+                                            and shared <= LIMITS[arch]['shared_bytes']
                                             if arch in LIMITS else None)))
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -200,11 +208,12 @@ def main():
     for model, model_grids in grids.items():
         print(f'  {model} grids at {args.sizes}: {model_grids}')
     head = (f"{'kernel':<34}{'arch':>5}{'dtype':>10}{'warps':>6}{'regs':>6}{'spills':>8}"
-            f"{'shared':>8}  constexprs")
+            f"{'stack':>7}{'shared':>8}  constexprs")
     print('\n' + head + '\n' + '-' * len(head))
     for r in rows:
         print(f"{r['kernel']:<34}{r['arch']:>5}{r['dtype']:>10}{r['num_warps']:>6}"
-              f"{r['registers']:>6}{r['spills']:>8}{r['shared_bytes']:>8}  {r['constexprs']}")
+              f"{r['registers']:>6}{r['spills']:>8}{r['stack_bytes']:>7}{r['shared_bytes']:>8}  "
+              f"{r['constexprs']}")
     bad = [r for r in rows if r['within_limits'] is False]
     print(f'\n{len(rows)} compilations, {len(jobs)} specialisations per arch; '
           f'{len(bad)} with spills or over the shared-memory limit')

@@ -36,10 +36,13 @@ def target(args):
 
 def spilled_bytes(spec, dtype, arch):
     """Bytes spilled by ``spec`` = (kernel, constexprs, num_warps) compiled for sm_<arch>, tokens
-    of ``dtype`` (its name); None in Triton's interpreter, whose kernels do not compile."""
+    of ``dtype`` (its name): ptxas's report, or the stack frame of Triton's cubin where that is
+    larger (:func:`.compile_kernels.resources`); None in Triton's interpreter, whose kernels do
+    not compile."""
     if interpreting():
         return None
-    return compile_for(*spec, dtype, arch)[1]
+    _, spills, _, stack = compile_for(*spec, dtype, arch)
+    return max(spills, stack)
 
 
 def fastest(rows, tolerance):
