@@ -54,19 +54,13 @@ CANDIDATES = [(tile, walk) for tile, walk in itertools.product(
     [(16, 4), (16, 8), (16, 2), (32, 4), (32, 8), (32, 2)], [(1, 1), (2, 1), (2, 2)])]
 
 
-def tiles_table(kernel, d_block, arch):
-    """The table of (tokens, warps) the layer takes ``kernel``'s tiles for heads of ``d_block``
-    channels from on compute capability ``arch``: ARCH_TILES' where it has them, else TILES'."""
-    own = triton_fused.ARCH_TILES.get(arch, {}).get(kernel, {})
-    return own if d_block in own else triton_fused.TILES[kernel]
-
-
 def current(kernel, d_block, arch):
     return triton_fused.tiles(kernel, d_block, arch), triton_fused.WALKS[kernel][d_block]
 
 
 def set_candidate(kernel, d_block, arch, candidate):
-    tiles_table(kernel, d_block, arch)[d_block], triton_fused.WALKS[kernel][d_block] = candidate
+    (triton_fused.tiles_table(kernel, d_block, arch)[d_block],
+     triton_fused.WALKS[kernel][d_block]) = candidate
     triton_fused.specializations.cache_clear()
 
 

@@ -56,8 +56,8 @@ from .triton_kernels import _channel_row, _ratio_rows, _standardised
 from .triton_launch import cdiv, launch
 
 __all__ = ['can_fuse', 'fuses', 'fused_output', 'fused_backward', 'specializations',
-           'architecture', 'tiles', 'gradient_dtype', 'MAX_HEAD_CHANNELS', 'GRADIENT_POINTERS',
-           'EXPONENT_POINTERS', 'PROGRAMS', 'rows_per_program']
+           'architecture', 'tiles', 'tiles_table', 'gradient_dtype', 'MAX_HEAD_CHANNELS',
+           'GRADIENT_POINTERS', 'EXPONENT_POINTERS', 'PROGRAMS', 'rows_per_program']
 
 #: Token columns of the band per step: the inner dimension of the products with P_x (tl.dot's
 #: least, 16).
@@ -603,10 +603,18 @@ def architecture(device):
     return _capability(torch.cuda.current_device() if device.index is None else device.index)
 
 
+def tiles_table(name, d_block, arch=None):
+    """The table by head width that kernel ``name`` takes its tiles for heads of ``d_block``
+    channels from on compute capability ``arch``: :data:`ARCH_TILES`' where it has them, else
+    :data:`TILES`'."""
+    own = ARCH_TILES.get(arch, {}).get(name, {})
+    return own if d_block in own else TILES[name]
+
+
 def tiles(name, d_block, arch=None):
     """(tokens, warps) of kernel ``name`` for heads of ``d_block`` channels on compute capability
-    ``arch``: :data:`ARCH_TILES`' where it has them, else :data:`TILES`'."""
-    return ARCH_TILES.get(arch, {}).get(name, {}).get(d_block, TILES[name][d_block])
+    ``arch`` (:func:`tiles_table`)."""
+    return tiles_table(name, d_block, arch)[d_block]
 
 
 def _spec(kernel, name, d, arch):
