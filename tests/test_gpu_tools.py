@@ -87,7 +87,7 @@ def test_fused_tile_tuning_tool():
     candidates of the token gradients: y and dx equal the current tables', the fastest is marked
     and the tables are printed as Python source; stages that do not run the fused passes are
     refused; without the interpreter its spill check compiles a candidate for sm_90, and sm_80's
-    own tiles for sm_80 (no GPU)."""
+    own tiles for sm_80 (no GPU); the current tables that spill are named."""
     tool = os.path.join(ROOT, 'tools', 'analysis', 'tune_fused_tiles.py')
     env = {**os.environ, 'TRITON_INTERPRET': '1'}
     out = subprocess.run([sys.executable, tool, '--device', 'cpu', '--shrink', '25', '--batch',
@@ -114,3 +114,9 @@ def test_fused_tile_tuning_tool():
     # sm_80's own tiles (triton_fused.ARCH_TILES), where TILES spill there
     assert_compiles_without_spills('import tune_fused_tiles as t; '
                                    'print(t.spills("token_gradients", 32, 80, "float16"))')
+    # the current tables that spill are named before tuning (a stand-in for the spill check)
+    assert_compiles_without_spills(
+        'import tune_fused_tiles as t;'
+        ' t.spills = lambda k, d, a, dt: 8 * ((k, d) == ("output", 32));'
+        ' found = t.spilling(["output", "token_gradients"], [32, 64], 90, "float16");'
+        ' print(found, int(found != [("output", 32, 8)]))')

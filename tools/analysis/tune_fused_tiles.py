@@ -70,6 +70,20 @@ def spills(kernel, d, arch, dtype):
     return spilled_bytes(triton_fused.specializations(d, arch)[KERNELS[kernel]], dtype, arch)
 
 
+def spilling(kernels, widths, arch, dtype):
+    """[(kernel, width, bytes)]: the current tables of the fused ``kernels`` for heads of each of
+    ``widths`` that spill on sm_<arch> (none in the interpreter). A candidate's time is the whole
+    layer's, so such a kernel adds the same spilled time to every candidate of the others: their
+    order holds, their totals do not."""
+    found = []
+    for kernel in kernels:
+        for width in widths:
+            spilled = spills(kernel, width, arch, dtype)
+            if spilled:
+                found.append((kernel, width, spilled))
+    return found
+
+
 class StageLayer:
     """A DTN layer of one stage without pooling at its initialisation, with tokens and an upstream
     gradient (batch ``batch``, ``dtype``)."""
@@ -164,6 +178,10 @@ def main():
           f'warps), (band rows a step, loads in flight)')
     for d_block, stages in sorted(by_width.items()):
         print(f'heads of {d_block} channels: ' + ', '.join(stages), flush=True)
+    for kernel, d_block, spilled in spilling(KERNELS, sorted(by_width), arch, args.dtype):
+        print(f'the current tables of {kernel} for heads of {d_block} channels spill {spilled} '
+              f'bytes on sm_{arch}: every candidate\'s time includes that kernel\'s (their order '
+              'holds); tune it too', flush=True)
     jobs = [(kernel, d_block) for kernel in args.kernels for d_block in sorted(by_width)]
     progress = tqdm(total=sum(len(candidates(kernel, d_block, layout, args.candidates))
                               for kernel, d_block in jobs),

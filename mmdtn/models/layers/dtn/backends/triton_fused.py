@@ -117,7 +117,9 @@ ARCH_TILES = {
 #: Swin-T's stages 3 and 4): two rows a step took the backward kernels' GPU time down by 4-6%
 #: (token gradients) and 14-16% (input gradient), but the output's up by 10-49%; loads in flight
 #: (2 or 3, through shared memory) took every kernel's up. Four rows a step spill on sm_90 in the
-#: input gradient and, for heads of 64 channels, in the token gradients.
+#: input gradient and, for heads of 64 channels, in the token gradients. Reading a step's rows in
+#: one load instead ([rows, BAND, D_BLOCK], summed over the rows) was fastest with one row a step
+#: and then took 6-12% more time than these walks at the same stages (README, "The latest run").
 WALKS = {
     'output': {32: (1, 1), 64: (1, 1)},
     'token_gradients': {32: (2, 1), 64: (2, 1)},
