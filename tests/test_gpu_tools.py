@@ -38,6 +38,20 @@ def test_kernels_compile_for_sm90_without_spills():
         assert 0 < r['registers'] <= 255
 
 
+def test_compiled_as_the_layers_launch_them():
+    """compile_kernels.py compiles every tensor argument as aligned to 16 bytes (Triton
+    specialises on it at a launch) and C and d as multiples of 16 where a kernel specialises on
+    them (the moments with pooling), never H and W (runtime: no recompilation per resolution)."""
+    assert_compiles_without_spills(
+        'import compile_kernels as c;'
+        ' from mmdtn.models.layers.dtn.backends import triton_kernels as k, triton_fused as f;'
+        ' names = lambda kernel: {kernel.arg_names[i] for (i, ) in c.attributes(kernel, {})};'
+        ' moments, output = names(k._moments_kernel), names(k._output_kernel);'
+        ' fine = {"C", "d", "x_ptr"} <= moments and "x_ptr" in output'
+        ' and not {"C", "d", "H", "W"} & (output | names(f._fused_output_kernel));'
+        ' print(moments, output, int(not fine))')
+
+
 def assert_compiles_without_spills(statement):
     """Runs ``statement`` in tools/analysis without Triton's interpreter (a tool's spill check,
     which compiles for a GPU without one) and asserts that the last thing it prints is 0."""

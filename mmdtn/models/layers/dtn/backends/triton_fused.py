@@ -43,6 +43,15 @@ up in a fixed order afterwards (:mod:`.triton_parameters`; no float atomics).
 The rows of the band are read again by the programs of neighbouring token rows: from the GPU's
 cache (``kernel_loads.py`` counts those reads). Heads wider than MAX_HEAD_CHANNELS channels run the
 staged passes (:func:`fuses`).
+
+H and W are runtime arguments (no recompilation per resolution), and so are the channel count C and
+the head width d here: specialised on them (multiples of 16 in every layer of PVT and Swin),
+Triton reads the tokens 8 or 16 bytes at a time instead of 2, but these kernels spilled with
+their tiles (``compile_kernels.py``: the output 8-56 bytes on sm_86 to sm_120, the token
+gradients 52-80 on sm_80 for float32 tokens, the input gradient 80-252 on sm_80 and sm_90). On
+sm_90 the token gradients took 159 registers instead of 219 for heads of 64 channels: with tiles
+tuned for it on a GPU, a lead (:mod:`.triton_kernels` specialises the passes with pooling that
+read the tokens but the output).
 """
 import functools
 import os
@@ -317,6 +326,7 @@ def _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, 
 
 
 # ---------------------------------------------------------------------------- forward
+# not specialised on C and d: with them its tiles spilled 8-56 bytes on sm_86, sm_89, sm_100, sm_120
 @triton.jit(do_not_specialize=['H', 'W', 'C', 'd', 'heads'])
 def _fused_output_kernel(x_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, weight_ptr, bias_ptr,
                          y_ptr, H, W, C, d, heads, eps, n_var, TOKENS: tl.constexpr,
@@ -415,6 +425,7 @@ def _coefficient_sums(x_image, dm_first, dm_second, centre, p_y, p_x, bands, i, 
     return da1, tl.sum(dp_lin_x - mean_lin_x * dp_x, axis=0), dp_lin_y - mean_lin_y * dp_y
 
 
+# not specialised on C and d: with them its tiles spilled 52-80 bytes on sm_80 for float32 tokens
 @triton.jit(do_not_specialize=['H', 'W', 'C', 'd', 'heads'])
 def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr,
                                   weight_ptr, scaled_dm_ptr, exponent_ptr, token_ptr, coef_ptr, H,
@@ -472,6 +483,7 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
     tl.store(token + 3, alpha, mask=w < W)
 
 
+# not specialised on C and d: with them its tiles spilled 80-252 bytes on sm_80 and sm_90
 @triton.jit(do_not_specialize=['H', 'W', 'C', 'd', 'rows'])
 def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr,
                                  weight_ptr, scaled_dm_ptr, exponent_ptr, token_ptr, dx_ptr,

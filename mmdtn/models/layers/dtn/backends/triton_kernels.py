@@ -69,9 +69,16 @@ CENTRE_STRIDE = 17
 #: the fused passes' dL/dm and its exponents (:data:`.triton_fused.GRADIENT_POINTERS`,
 #: :data:`.triton_fused.EXPONENT_POINTERS`).
 TOKEN_POINTERS = ('x_ptr', 'g_ptr', 'y_ptr', 'dx_ptr')
-#: Runtime integers that change with the resolution: never specialised (no recompilation).
-_SIZES = ['H', 'W', 'C', 'd', 'm_sb', 'm_srow', 'm_scol', 'm_shead', 't_sb', 't_srow',
-          't_scol', 't_shead']
+#: Runtime integers that change with the resolution: never specialised (no recompilation). The
+#: channel count C and head width d are not among them: Triton specialises them (a multiple of
+#: 16, as in every layer of PVT and Swin, lets it read 8 or 16 bytes of tokens at a time instead
+#: of 2), once per layer; except in the output kernel (:data:`_SIZES_AND_CHANNELS`). On sm_120
+#: the token gradients keep an 8-byte stack frame specialised (none without; no spills).
+_SIZES = ['H', 'W', 'm_sb', 'm_srow', 'm_scol', 'm_shead', 't_sb', 't_srow', 't_scol',
+          't_shead']
+#: :data:`_SIZES` and C and d: for the output kernel, which specialised on them spilled 8 bytes on
+#: sm_80 for float32 tokens (``compile_kernels.py``).
+_SIZES_AND_CHANNELS = _SIZES + ['C', 'd']
 
 
 def _c_block(C):
@@ -308,7 +315,7 @@ def _moments_spec(C, pool, square_of_pooled):
 
 
 # ---------------------------------------------------------------------------- output
-@triton.jit(do_not_specialize=_SIZES)
+@triton.jit(do_not_specialize=_SIZES_AND_CHANNELS)
 def _output_kernel(x_ptr, m_first_ptr, m_second_ptr, centre_ptr, ratios_ptr, weight_ptr,
                    bias_ptr, y_ptr, H, W, C, d, m_sb, m_srow, m_scol, m_shead, eps, n_var,
                    POOL: tl.constexpr, CELLS: tl.constexpr,
