@@ -50,8 +50,8 @@ Triton reads the tokens 8 or 16 bytes at a time instead of 2, but these kernels 
 their tiles (``compile_kernels.py``: the output 8-56 bytes on sm_86 to sm_120, the token
 gradients 52-80 on sm_80 for float32 tokens, the input gradient 80-252 on sm_80 and sm_90). On
 sm_90 the token gradients took 159 registers instead of 219 for heads of 64 channels: with tiles
-tuned for it on a GPU, a lead (:mod:`.triton_kernels` specialises the passes with pooling that
-read the tokens but the output).
+tuned for it on a GPU, a lead. (:mod:`.triton_kernels` specialises its moments, token-gradient and
+input-gradient passes on C and d.)
 """
 import functools
 import os
