@@ -1,11 +1,21 @@
 """Shared fixtures."""
 import os
+import shutil
+import tempfile
 
 import pytest
 
 # The Triton kernels of DynamicTokenNorm run in Triton's interpreter on CPU tensors (this machine
 # has no GPU); set before triton sees its first kernel.
 os.environ.setdefault('TRITON_INTERPRET', '1')
+# torch.compile's inductor keeps compiled graphs on disk, keyed by the graph but not by the Python
+# of the custom ops in it: a graph compiled around an older version of DTN's ops (what they save
+# for backward) would be served again. Each test session compiles into its own folder.
+INDUCTOR_CACHE = os.environ['TORCHINDUCTOR_CACHE_DIR'] = tempfile.mkdtemp(prefix='mmdtn-inductor-')
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(INDUCTOR_CACHE, ignore_errors=True)
 
 
 def _share_the_cores_between_workers():

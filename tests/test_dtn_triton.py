@@ -43,20 +43,21 @@ def triton_dtn(backend_setting):
     set_dtn_backend('triton')
 
 
-#: The two ways the passes without pooling run: fused (the default) and staged (layers with
-#: pooling run the same either way).
-WITHOUT_POOLING = ['fused', 'staged']
+#: The two ways the positional products run: fused (the default; formed on chip, both factors at
+#: once: without pooling inside the passes over the tokens, with pooling on the cell grid) and
+#: staged (one factor at a time, between the passes).
+WAYS = ['fused', 'staged']
 
 
 def run_passes(monkeypatch, way):
-    """Makes the passes without pooling run the ``way`` of :data:`WITHOUT_POOLING` within a test."""
+    """Makes the products run the ``way`` of :data:`WAYS` within a test."""
     monkeypatch.setattr(triton_fused, 'ENABLED', way == 'fused')
 
 
 @pytest.fixture
 def fused_passes(monkeypatch):
-    """Runs the passes without pooling fused (the default; not ``MMDTN_TRITON_FUSED=0``) within a
-    test, whatever the setting."""
+    """Forms the products fused (the default; not ``MMDTN_TRITON_FUSED=0``) within a test,
+    whatever the setting."""
     run_passes(monkeypatch, 'fused')
 
 
@@ -96,14 +97,15 @@ SHAPES = [((5, 7), 1, 3, 12, 3), ((6, 9), 2, 4, 16, 1), ((9, 6), 4, 5, 20, 3), (
 
 
 @pytest.mark.parametrize('hw,pool,heads,C,B,way', [
-    (*shape, way) for way in WITHOUT_POOLING for shape in SHAPES
+    (*shape, way) for way in WAYS for shape in SHAPES
     if way == 'fused' or shape[1] > 1])
 @pytest.mark.parametrize('reference_compat', [False, True])
 def test_equals_dense_reference_float32(triton_dtn, monkeypatch, hw, pool, heads, C, B, way,
                                         reference_compat):
     """Odd, non-square, 1 x 1 and 1 x N grids, pooling 1, 2, 4 with partial border cells, heads
-    1, 3, 4, 5, a channel count that is not a power of two (96), batch 1 and 3, without pooling
-    both ways; forward and every gradient to float32 rounding."""
+    1, 3, 4, 5, a channel count that is not a power of two (96), batch 1 and 3; with pooling both
+    ways (the products on the cell grid or one factor at a time); forward and every gradient to
+    float32 rounding."""
     run_passes(monkeypatch, way)
     norm = randomize(DynamicTokenNorm(C, heads, pool_size=pool, eps=1e-5,
                                       reference_compat=reference_compat)).float().to(DEVICE)
@@ -216,26 +218,55 @@ def traffic_on_meta(C, hw, pool, heads):
     return fused_bound(C, pool, x.dtype), traffic(norm, x, hw, torch.empty_like(x)), x
 
 
+#: The launches of a layer with pooling, forward and backward (parameters aside), by way of
+#: :data:`WAYS`, and the bytes of its products beyond the passes over the tokens, in tensors of the
+#: moments T: fused, T read and m written forward, dL/dm and T read and dL/dT written backward;
+#: staged, P_x T and P_y u, each reading one and writing one, forward, and backward P_x T again
+#: (not kept), the two transposed products and the two outer products (which read two each and
+#: store nothing: the gradients of the factors are contracted into shares of that of a^h as they
+#: are formed).
+POOLED_LAUNCHES = {
+    'fused': ((['triton.moments', 'triton.cell_products', 'triton.output'], 2),
+              (['triton.token_gradients', 'triton.cell_products_backward',
+                'triton.input_gradient'], 3)),
+    'staged': ((['triton.moments', 'triton.band_matmul', 'triton.band_matmul', 'triton.output'],
+                4),
+               (['triton.token_gradients', 'triton.band_matmul', 'triton.band_outer',
+                 'triton.band_matmul', 'triton.band_outer', 'triton.band_matmul',
+                 'triton.input_gradient'], 10)),
+}
+
+
 @pytest.mark.parametrize('C,hw,pool,heads', [(64, (200, 336), 4, 4), (192, (100, 168), 2, 6)])
-def test_traffic_with_pooling(backend_setting, C, hw, pool, heads):
+@pytest.mark.parametrize('way', WAYS)
+def test_traffic_with_pooling(backend_setting, monkeypatch, C, hw, pool, heads, way):
     """With pooling (float16 tokens, PVT-Tiny's stage-1 and Swin-T's stage-2 shapes at 800 x 1344,
     counted on meta tensors: recorded, not run) the passes over the tokens move, forward and
     backward, within 3% of what a DTN fused as far as the math allows must move (the rest: their
-    sums for the parameters, per program); the products on the cell grid between them add about
-    as many bytes as four tensors of the moments forward (P_x T and P_y u, each reading one and
-    writing one) and eight backward (the two transposed products, and the two outer products,
-    which read two each and store nothing: the gradients of the factors are contracted into
-    shares of that of a^h as they are formed), which shrink with pool^2."""
+    sums for the parameters, per program); the products on the cell grid between them add the
+    bytes of :data:`POOLED_LAUNCHES`' tensors of the moments (and, forward, those of the positional
+    factors, the centre and the ratios: at most half a tensor more), which shrink with pool^2."""
+    run_passes(monkeypatch, way)
     bounds, counts, x = traffic_on_meta(C, hw, pool, heads)
     tokens = x.shape[:2].numel()
     moments = 2 * C * 4 / pool**2  # T per token: two float32 values per cell and channel
-    passes = (('triton.moments', 'triton.output'),
-              ('triton.token_gradients', 'triton.input_gradient'))
-    for count, bound, names, products in zip(counts, bounds, passes, (4.5, 8.5)):
-        assert set(names) <= set(count.by_kernel), count.by_kernel
+    for count, bound, (launches, products) in zip(counts, bounds, POOLED_LAUNCHES[way]):
+        names = [launches[0], launches[-1]]  # the passes over the tokens
+        assert set(launches) == set(count.by_kernel) - {'triton.parameters',
+                                                        'triton.parameter_gradients',
+                                                        'triton.parameters_backward', 'torch'}
         over_tokens = sum(count.by_kernel[k] for k in names) / tokens
         assert bound <= over_tokens <= 1.03 * bound, (count.by_kernel, bound)
-        assert count.bytes / tokens - over_tokens <= products * moments, count.by_kernel
+        beyond = count.bytes / tokens - over_tokens
+        assert products * moments < beyond <= (products + 0.5) * moments, count.by_kernel
+    from benchmark_norm import TrafficCounter  # looks inside the custom ops on meta tensors
+    norm = DynamicTokenNorm(C, heads, pool_size=pool).to('meta')
+    with TrafficCounter().counting(), recording_launches() as recorded:
+        torch.autograd.grad(norm(x, hw).sum(), x)
+    names = [k.name for k in recorded if k.name.split('.')[1] not in (
+        'parameters', 'parameter_gradients', 'parameters_backward')]
+    forward, backward = POOLED_LAUNCHES[way]
+    assert names == forward[0] + backward[0]
 
 
 def test_traffic_without_pooling(backend_setting, fused_passes):
@@ -436,7 +467,7 @@ def test_band_products_form_the_token_moments_where_they_read_them(B, H, W, C, h
 
 
 @pytest.mark.parametrize('dtype,tol', [(torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize('pool,way', [(1, 'fused'), (1, 'staged'), (2, 'fused')])
+@pytest.mark.parametrize('pool,way', [(1, 'fused'), (1, 'staged'), (2, 'fused'), (2, 'staged')])
 def test_half_precision_tokens_are_read_directly(triton_dtn, monkeypatch, dtype, tol, pool,
                                                  way):
     """float16 and bfloat16 tokens go to the kernels as they are (statistics in float32); the

@@ -6,8 +6,9 @@ Forward, for tokens x (B, N, C) on the grid of :class:`~.grid.TokenGrid`::
     statistics   mu_ln, var_ln per token (Eq. 2); per cell the mean of x and, about a per-channel
                  centre, the mean of (x - centre)^2
     moments      T = (cell mean - centre, second moment about the centre)
-    products     u = P_x T, m = P_y u: P^h T by its two factors (Eq. 5); with pooling m's second
-                 slot becomes the inter-token variance P T_1 - (P T_0)^2
+    products     u = P_x T, m = P_y u: P^h T by its two factors (Eq. 5), or m in one pass
+                 (``forms_products``); with pooling m's second slot becomes the inter-token
+                 variance P T_1 - (P T_0)^2 (unless the backend's passes form it)
     output       y = gamma (x - mu) / sqrt(sigma2 + eps) + beta with mu, sigma2 of Eq. 5 (Eq. 4)
 
 and backward mirrors it: the token gradients (dL/dm per cell, the sums for the parameters), the
@@ -93,7 +94,8 @@ class Saved:
     """What the backward pass keeps besides the inputs: the per-token statistics (None for a
     backend that forms Eq. 2 again wherever it reads a token: ``keeps_token_statistics``) and the
     centre; with pooling also the (small) moments T and products u = P_x T and m = P_y u, which
-    without pooling are as large as x and are recomputed."""
+    without pooling are as large as x and are recomputed (u None from a backend that does not keep
+    it: ``keeps_row_products``)."""
 
     mean_ln: Optional[Tensor]
     var_ln: Optional[Tensor]
@@ -118,19 +120,23 @@ class Saved:
         mean_ln, var_ln, centre, moments, row_products, products = tensors
         if not grid.pooled:
             moments = row_products = products = None
+        elif row_products.numel() == 0:  # not kept
+            row_products = None
         if mean_ln.numel() == 0:  # never a real grid's: it has at least one token
             mean_ln = var_ln = None
         return cls(mean_ln, var_ln, centre, moments, row_products, products)
 
     @staticmethod
-    def fake_tensors(x, grid, dtype, token_statistics=True):
+    def fake_tensors(x, grid, dtype, token_statistics=True, row_products=True):
         """Empty tensors of the shapes :meth:`tensors` has for ``grid`` (fake implementations);
-        ``token_statistics``: whether the backend keeps Eq. 2 per token."""
-        T, u = (grid.column_major, grid.head_major) if grid.pooled else ((0, ), (0, ))
+        ``token_statistics``, ``row_products``: whether the backend keeps Eq. 2 per token and u
+        with pooling."""
+        T, m = (grid.column_major, grid.head_major) if grid.pooled else ((0, ), (0, ))
+        u = m if row_products else (0, )
         tokens = (grid.B, grid.N, 1) if token_statistics else (0, )
         return [x.new_empty(tokens, dtype=dtype), x.new_empty(tokens, dtype=dtype),
                 x.new_empty(grid.B, 1, 1, grid.C, dtype=dtype), x.new_empty(T, dtype=dtype),
-                x.new_empty(u, dtype=dtype), x.new_empty(u, dtype=dtype)]
+                x.new_empty(u, dtype=dtype), x.new_empty(m, dtype=dtype)]
 
 
 @dataclass
@@ -164,14 +170,18 @@ def _forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
     if backend.fuses_products(x, grid, p_x):
         return backend.fused_forward(x, p_y, p_x, ratios, weight, bias, eps, grid, convention)
     stats = backend.statistics(x, grid, convention)
-    factor_y, factor_x = backend.factor(p_y, 'y'), backend.factor(p_x, 'x')
     T = moments(stats, grid)
-    u, m = positional_products(T, factor_y, factor_x, grid, not backend.raw_second_moment)
+    if backend.forms_products(grid):
+        u, m = None, backend.products(T, p_y, p_x, grid)
+    else:
+        u, m = positional_products(T, backend.factor(p_y, 'y'), backend.factor(p_x, 'x'), grid,
+                                   not backend.raw_second_moment)
     n_var = convention.ln_divisor(grid.C)
     y = backend.output(x, stats, m, ratios, weight, bias, eps, n_var, grid)
     if not grid.pooled:
         return y, Saved(stats.mean_ln, stats.var_ln, stats.centre)
-    return y, Saved(stats.mean_ln, stats.var_ln, stats.centre, T, u, m)
+    return y, Saved(stats.mean_ln, stats.var_ln, stats.centre, T,
+                    u if backend.keeps_row_products else None, m)
 
 
 def dtn_backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convention):
@@ -197,14 +207,23 @@ def _backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convent
     # holds what pass 2 takes from pass 1 (a backend may keep D1 or recompute it)
     tokens, sums, dm = backend.token_gradients(g, x, saved, m, ratios, weight, eps, n_var, grid)
 
-    # the positional products backwards: dL/dm -> dL/dP_y, dL/du -> dL/dP_x, dL/dT; the
-    # temporaries, each of T's size, are dropped as soon as they are used
-    grad_p_y = factor_y.outer(by_rows(dm, grid), by_rows(u, grid))
-    del u
-    du = rows_backward(dm, factor_y, grid)
-    del dm
-    grad_p_x, dT = columns_backward(du, T, factor_x, grid)
-    del du
+    # the positional products backwards: dL/dm -> dL/dP_y, dL/du -> dL/dP_x, dL/dT (or both
+    # factors' at once: the shares of the gradient of a^h); the temporaries, each of T's size,
+    # are dropped as soon as they are used
+    if backend.forms_products(grid):
+        dT, shares = backend.products_backward(dm, T, p_y, p_x, grid)
+        del dm
+        grad_p_y, grad_p_x, coefficients = None, None, [shares]
+    else:
+        if u is None:  # not kept (keeps_row_products): formed again
+            u = row_products(T, factor_x, grid)
+        grad_p_y = factor_y.outer(by_rows(dm, grid), by_rows(u, grid))
+        del u
+        du = rows_backward(dm, factor_y, grid)
+        del dm
+        grad_p_x, dT = columns_backward(du, T, factor_x, grid)
+        del du
+        coefficients = [grad_p_y, grad_p_x] if factor_y.contracts else None
     d_first, d_second = dT[:, :, 0], dT[:, :, 1]
     if grid.pooled and convention.square_of_pooled:  # second moment = first^2
         d_first = d_first + 2 * T[:, :, 0] * d_second
@@ -214,9 +233,9 @@ def _backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convent
     # tokens of the cell and beta, alpha the gradient of Eq. 2 (see ln_gradient)
     dx = backend.input_gradient(tokens, g, x, saved, m, ratios, weight, eps, n_var, d_first,
                                 d_second, grid)
-    if factor_y.contracts:  # the factors' shares of the gradient of a^h, not those of P_y, P_x
+    if coefficients is not None:  # shares of the gradient of a^h, not those of P_y, P_x
         return Gradients(dx, None, None, *backend.parameter_gradients(sums),
-                         coefficients=[grad_p_y, grad_p_x])
+                         coefficients=coefficients)
     return Gradients(dx, grad_p_y, grad_p_x, *backend.parameter_gradients(sums))
 
 
@@ -454,7 +473,8 @@ def define_custom_ops(backend, name, parameters=FORMED):
     def _(x, a, b, c, weight, bias, H, W, pool, heads, *options):
         grid = TokenGrid(x.shape[0], H, W, x.shape[2], heads, pool)
         return [torch.empty_like(x), *Saved.fake_tensors(x, grid, weight.dtype,
-                                                         backend.keeps_token_statistics),
+                                                         backend.keeps_token_statistics,
+                                                         backend.keeps_row_products),
                 *parameters.fake_kept((a, b, c), grid)]
 
     def run_backward(grad: Tensor, x: Tensor, a: Tensor, b: Tensor, c: Tensor, weight: Tensor,

@@ -35,6 +35,10 @@ class Backend:
     #: forming the inter-token variance P T_1 - (P T_0)^2 themselves (as every backend does
     #: without pooling), rather than from m turned into it by :func:`..function.positional_products`
     raw_second_moment = False
+    #: whether the backward pass keeps u = P_x T of the forward pass with pooling
+    #: (:class:`..function.Saved`); a backend that keeps None forms it again where it runs the
+    #: products one factor at a time, so that what its op saves never depends on how they run
+    keeps_row_products = True
 
     def supports(self, x, grid, dtype) -> Optional[str]:
         """Why this backend cannot run tokens ``x`` on ``grid`` with statistics in ``dtype``
@@ -84,6 +88,23 @@ class Backend:
         ('x'): an object with ``matmul(x, transpose=False, inner=None)`` and ``outer(a, x)`` (see
         :class:`DenseFactor`)."""
         return DenseFactor(p, axis)
+
+    def forms_products(self, grid):
+        """Whether the positional products on ``grid`` run in one pass with both factors
+        (:meth:`products`, :meth:`products_backward`), never forming u = P_x T; otherwise one
+        factor at a time (:meth:`factor`)."""
+        return False
+
+    def products(self, T, p_y, p_x, grid):
+        """Where :meth:`forms_products`: m = P^h T (Eq. 5), head-major with its second moment raw
+        (:attr:`raw_second_moment`), from the column-major T and the factors."""
+        raise NotImplementedError
+
+    def products_backward(self, dm, T, p_y, p_x, grid):
+        """Where :meth:`forms_products`: dL/dT (column-major, as T) and the shares (programs,
+        heads, 3) of the gradient of a^h (a backend that forms its factors from a^h itself) from
+        dL/dm (head-major) and T."""
+        raise NotImplementedError
 
     def output(self, x, stats, m, ratios, weight, bias, eps, n_var, grid):
         """Eqs. 4-5: y from x, the statistics and the head-major products m (n_var: the divisor of

@@ -6,17 +6,18 @@ the output in x's dtype), any H x W, any channel count and pooling, both statist
 on the ``torch`` backend. Needs ``triton``, which comes with PyTorch's CUDA builds; with
 ``TRITON_INTERPRET=1`` the kernels also run, slowly, on CPU tensors (for tests).
 
-Four kernels read and write the tokens: the moments T of the cells (x read once), the output
-(x read, y written), and backward the token gradients (g and x read, dL/dm of the cells written)
-and the input gradient (g and x read, dx written). Between them the positional products run on
-the cell grid, one axis at a time (:mod:`..function`), in float32, over the nonzero band of
-each factor (:mod:`.triton_band`). Without pooling the passes are fused instead, the products
-formed on chip (:mod:`.triton_fused`; heads of up to 64 channels): forward one kernel (x read
-once, y written once), backward two (dL/dm, then dx), whose programs contract their shares of the
-gradients of P_y and P_x with Eq. 6's softmax into the gradient of a^h. Where the staged passes
-run without pooling, backward never stores T (x - centre and its square, four times the bytes of
-16-bit tokens): the products with P_x form it from the tokens where they read it
-(:class:`..function.TokenMoments`).
+Four kernels read and write the tokens: the moments T of the cells (x read once), the output (x
+read, y written), and backward the token gradients (g and x read, dL/dm of the cells written) and
+the input gradient (g and x read, dx written). Between them the positional products run on the cell
+grid in float32, both factors in one kernel each way (:mod:`.triton_cells`: T read and m written;
+backward dL/dT and the shares of the gradient of a^h); for heads wider than 64 channels, or with
+``MMDTN_TRITON_FUSED=0``, one axis at a time (:mod:`..function`) over the nonzero band of each
+factor (:mod:`.triton_band`). Without pooling the passes are fused instead, the products formed on
+chip (:mod:`.triton_fused`; heads of up to 64 channels): forward one kernel (x read once, y written
+once), backward two (dL/dm, then dx), whose programs contract their shares of the gradients of P_y
+and P_x with Eq. 6's softmax into the gradient of a^h. Where the staged passes run without pooling,
+backward never stores T (x - centre and its square, four times the bytes of 16-bit tokens): the
+products with P_x form it from the tokens where they read it (:class:`..function.TokenMoments`).
 
 A layer is one ``torch.library`` custom op each way, ``mmdtn::dtn_triton_forward`` and
 ``mmdtn::dtn_triton_backward``, which ``torch.compile`` and ``torch.export`` record as single
@@ -40,10 +41,11 @@ try:
     from .triton_band import BandFactor
     from . import triton_kernels as kernels
     from . import triton_fused as fused
+    from . import triton_cells as cells
     from .triton_parameters import KernelParameters
     _MISSING = None
 except ImportError as error:  # pragma: no cover - PyTorch builds without triton
-    kernels, BandFactor, fused = None, None, None
+    kernels, BandFactor, fused, cells = None, None, None, None
     KernelParameters = FormedParameters  # the op is defined, never run: supports() says why
     _MISSING = f'triton cannot be imported ({error})'
 
@@ -68,6 +70,7 @@ class TritonBackend(Backend):
     input_dtypes = (torch.float16, torch.bfloat16, torch.float32)
     keeps_token_statistics = False
     raw_second_moment = True
+    keeps_row_products = False
 
     def __init__(self):
         self.normalize = define_custom_ops(self, 'triton', KernelParameters())
@@ -89,6 +92,15 @@ class TritonBackend(Backend):
 
     def factor(self, p, axis):
         return BandFactor(p, axis)
+
+    def forms_products(self, grid):
+        return cells.forms_products(grid.pool, grid.d)
+
+    def products(self, T, p_y, p_x, grid):
+        return cells.cell_products(T, p_y, p_x, grid)
+
+    def products_backward(self, dm, T, p_y, p_x, grid):
+        return cells.cell_products_backward(dm, T, p_y, p_x, grid)
 
     def token_moments(self, x, centre, grid):
         return TokenMoments(x, centre, grid)  # formed by the band products where they read it

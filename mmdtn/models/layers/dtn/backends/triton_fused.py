@@ -78,8 +78,10 @@ GRADIENT_POINTERS = ('scaled_dm_ptr',)
 EXPONENT_POINTERS = ('exponent_ptr',)
 
 
-#: Whether the passes without pooling run fused: by default; ``MMDTN_TRITON_FUSED=0`` runs the
-#: staged passes (read at import). On an H200 (README, "Measured on an H200"; float16 tokens, batch
+#: Whether the positional products are formed on chip, both factors at once: without pooling in
+#: the fused passes here, with pooling on the cell grid (:mod:`.triton_cells`); by default.
+#: ``MMDTN_TRITON_FUSED=0`` runs the staged passes, the products one factor at a time (read at
+#: import). On an H200 (README, "Measured on an H200"; float16 tokens, batch
 #: 2, PVT-Tiny's and Swin-T's stages 3 and 4) the fused passes took 1.04-1.62x the staged ones' GPU
 #: time but 0.48-0.52x their host time (7 launches and operations a call instead of 15), and a
 #: call, which at batch 2 waits for the host, 0.58-0.72x the time; and a third of the memory.
@@ -255,13 +257,14 @@ def _bands(p_y, p_x, i, w, H, W, TRANSPOSE: tl.constexpr, SPAN_BLOCK: tl.constex
 
 @triton.jit
 def _products(src_image, plane, exponents, exponent_plane, centre, p_y, p_x, bands, i, w, H, W,
-              C, channel, real, FROM_TOKENS: tl.constexpr, TRANSPOSE: tl.constexpr,
+              s_row, s_col, channel, real, FROM_TOKENS: tl.constexpr, TRANSPOSE: tl.constexpr,
               BAND: tl.constexpr, D_BLOCK: tl.constexpr, UNROLL: tl.constexpr,
               STAGES: tl.constexpr):
     """(P_y^h (x) P_x^h) S at tokens w of token row i, or with TRANSPOSE the transposed factors',
     over their ``bands`` (:func:`_bands`), for the channels ``channel`` of one head (``real``: the
-    head's own): the two moments, float32 [TOKENS, D_BLOCK]. S: :func:`_source`; see the module
-    docstring."""
+    head's own): the two moments, float32 [TOKENS, D_BLOCK]. S: :func:`_source`, its entry of row
+    r and column s at r s_row + s s_col + channel (tokens: W C and C; :mod:`.triton_cells`: the
+    strides of a cell tensor); see the module docstring."""
     lo_y, hi_y, lo_x, hi_x = bands
     first = tl.zeros([w.shape[0], D_BLOCK], tl.float32)
     second = tl.zeros([w.shape[0], D_BLOCK], tl.float32)
@@ -277,10 +280,10 @@ def _products(src_image, plane, exponents, exponent_plane, centre, p_y, p_x, ban
                 weight_y = tl.load(p_y + r * H + i)
             else:
                 weight_y = tl.load(p_y + i * H + r)
-            tokens = r * W + cols
-            s_first, s_second = _source(src_image, plane, exponents, exponent_plane, tokens,
-                                        valid, tokens[:, None] * C + channel[None, :], mask,
-                                        centre, FROM_TOKENS)
+            s_first, s_second = _source(src_image, plane, exponents, exponent_plane,
+                                        r * W + cols, valid,
+                                        (r * s_row + cols * s_col)[:, None] + channel[None, :],
+                                        mask, centre, FROM_TOKENS)
             v_first += weight_y * s_first
             v_second += weight_y * s_second
         weights_x = _weights(p_x, w, cols, W, hi_x, TRANSPOSE)  # m = P_x v
@@ -314,8 +317,8 @@ def _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, 
     channel, real, centre = _head(centre_ptr, b, head, C, d, D_BLOCK)
     p_y, p_x = _factors(p_y_ptr, p_x_ptr, head, H, W)
     bands = _bands(p_y, p_x, i, w, H, W, False, SPAN_BLOCK)
-    first, second = _products(x_image, 0, x_image, 0, centre, p_y, p_x, bands, i, w, H, W, C,
-                              channel, real, True, False, BAND, D_BLOCK, UNROLL, STAGES)
+    first, second = _products(x_image, 0, x_image, 0, centre, p_y, p_x, bands, i, w, H, W, W * C,
+                              C, channel, real, True, False, BAND, D_BLOCK, UNROLL, STAGES)
     lam_m, kap_m, lam_v, kap_v = _ratio_rows(ratios_ptr + head * d, C, d, D_BLOCK)
     var_it = tl.maximum(second - first * first, 0.0)
     x, mask, offsets = _head_tokens(x_image, i, w, head, W, C, d, D_BLOCK)
@@ -363,13 +366,14 @@ def fused_output(x, centre, p_y, p_x, ratios, weight, bias, eps, n_var, grid):
 
 # ---------------------------------------------------------------------------- backward
 @triton.jit
-def _coefficient_sums(x_image, dm_first, dm_second, centre, p_y, p_x, bands, i, w, H, W, C,
-                      channel, real, BAND: tl.constexpr, D_BLOCK: tl.constexpr,
-                      UNROLL: tl.constexpr, STAGES: tl.constexpr):
+def _coefficient_sums(src_image, plane, s_row, s_col, dm_first, dm_second, centre, p_y, p_x,
+                      bands, i, w, H, W, channel, real, FROM_TOKENS: tl.constexpr,
+                      BAND: tl.constexpr, D_BLOCK: tl.constexpr, UNROLL: tl.constexpr,
+                      STAGES: tl.constexpr):
     """This program's share (da1, da2, da3) of the gradient of a^h from its tokens' dL/dm
-    [TOKENS, D_BLOCK] each moment (zeros outside), through the products of :func:`_products` over
-    the same ``bands`` and the softmax of Eq. 6 (module docstring), R = (d^2, d) with d = source -
-    output on each axis."""
+    [TOKENS, D_BLOCK] each moment (zeros outside), through the products of :func:`_products` of
+    the source S (its arguments as there) over the same ``bands`` and the softmax of Eq. 6
+    (module docstring), R = (d^2, d) with d = source - output on each axis."""
     lo_y, hi_y, lo_x, hi_x = bands
     # P_y's row i: Rbar = sum_r P R and sum_r P dP (1, R); P_x's rows w: the same, per row
     zero = tl.sum(tl.zeros([w.shape[0]], tl.float32), axis=0)
@@ -396,10 +400,10 @@ def _coefficient_sums(x_image, dm_first, dm_second, centre, p_y, p_x, bands, i, 
         sq = tl.zeros([BAND, D_BLOCK], tl.float32)  # sum_r P_y[i, r] dy^2 e T_r
         for r in tl.range(lo_y, hi_y, num_stages=STAGES, loop_unroll_factor=UNROLL):
             weight_y = tl.load(p_y + i * H + r)
-            tokens = r * W + cols
-            t_first, t_second = _source(x_image, 0, x_image, 0, tokens, cols < hi_x,
-                                        tokens[:, None] * C + channel[None, :], mask, centre,
-                                        True)
+            t_first, t_second = _source(src_image, plane, src_image, 0, r * W + cols,
+                                        cols < hi_x,
+                                        (r * s_row + cols * s_col)[:, None] + channel[None, :],
+                                        mask, centre, FROM_TOKENS)
             v_first += weight_y * t_first
             v_second += weight_y * t_second
             dy = (r - i).to(tl.float32)
@@ -466,9 +470,9 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
         _store_scaled(dm_image, exponents, i * W + w, w < W, offsets, mask, dm_first)
         _store_scaled(dm_image + plane, exponents + exponent_plane, i * W + w, w < W, offsets,
                       mask, dm_second)
-        da1, da2, da3 = _coefficient_sums(x_image, dm_first, dm_second, centre, p_y, p_x, bands,
-                                          i, w, H, W, C, channel, real, BAND, D_BLOCK,
-                                          UNROLL, STAGES)
+        da1, da2, da3 = _coefficient_sums(x_image, 0, W * C, C, dm_first, dm_second, centre,
+                                          p_y, p_x, bands, i, w, H, W, channel, real, True,
+                                          BAND, D_BLOCK, UNROLL, STAGES)
         coef = coef_ptr + (program * heads + head) * 3
         tl.store(coef, da1)
         tl.store(coef + 1, da2)
@@ -534,8 +538,8 @@ def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, rat
         var_it_d2 += tl.sum(var_it * d2, axis=0)
         bands = _bands(p_y, p_x, i, w, H, W, True, SPAN_BLOCK)  # of the transposed factors
         dt_first, dt_second = _products(scaled_dm_ptr + image, plane, exponents, exponent_plane,
-                                        centre, p_y, p_x, bands, i, w, H, W, C, channel, real,
-                                        False, True, BAND, D_BLOCK, UNROLL, STAGES)
+                                        centre, p_y, p_x, bands, i, w, H, W, W * C, C, channel,
+                                        real, False, True, BAND, D_BLOCK, UNROLL, STAGES)
         dx = d1 + x * beta + alpha + dt_first + 2.0 * (x - centre) * dt_second
         tl.store(dx_ptr + image + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
     c = tl.arange(0, D_BLOCK)

@@ -22,18 +22,18 @@ time (:func:`_cell_columns`):
                      in a fixed order: no float atomics)
     input gradient   backward pass 2: dx from g, x, m and dL/dT
 
-The centre about which T is taken is the mean of every ``CENTRE_STRIDE``-th token (rows of P sum
-to 1, so the statistics do not depend on it; one near the tokens' values keeps the second moment
-about it free of cancellation). The positional products m = P_y (P_x T) (Eq. 5, by the two factors
-of P^h) run between the passes on the cell grid, one axis at a time (:mod:`..function`), over the
-nonzero band of each factor (:mod:`.triton_band`); their cell tensors travel in float32, and the
-passes form the inter-token variance from m's raw second moment. An earlier design formed the
-products on chip inside these passes, over the band of every tile of 2 to 4 tokens or cells: it
-moved fewer bytes but took 7x LayerNorm's time on an H200 at pooling 4 and 150-400x without
-pooling (README, "DTN on GPUs"), each program walking the band of every cell it held at up to 250
-registers a thread. Without pooling the passes now run fused in another way, a token row and all
-channels per program, the products as row sums and matrix products (:mod:`.triton_fused`); the
-passes here run with pooling, and without it for heads too wide for the fused kernels.
+The centre about which T is taken is the mean of every ``CENTRE_STRIDE``-th token (rows of P sum to
+1, so the statistics do not depend on it; one near the tokens' values keeps the second moment about
+it free of cancellation). The positional products m = P^h T (Eq. 5) run between the passes on the
+cell grid, both factors of P^h in one kernel (:mod:`.triton_cells`) or one axis at a time over the
+nonzero band of each (:mod:`..function`, :mod:`.triton_band`); their cell tensors travel in float32,
+and the passes form the inter-token variance from m's raw second moment. An earlier design formed
+the products on chip inside these passes, over the band of every tile of 2 to 4 tokens or cells: it
+moved fewer bytes but took 7x LayerNorm's time on an H200 at pooling 4 and 150-400x without pooling
+(README, "DTN on GPUs"), each program walking the band of every cell it held at up to 250 registers
+a thread. Without pooling the passes now run fused in another way, a token row and all channels per
+program, the products as row sums and matrix products (:mod:`.triton_fused`); the passes here run
+with pooling, and without it for heads too wide for the fused kernels.
 
 Every launch goes through :func:`.triton_launch.launch`, which records it with the bytes of its
 operands (with meta tensors it is only recorded: the traffic of any shape without a GPU) and, on
@@ -569,17 +569,20 @@ def _input_gradient_spec(C, pool, second):
 
 def specializations(C, pool, heads, square_of_pooled=False, fused=None, arch=None):
     """The compiled kernels one DTN layer of C channels in ``heads`` heads and pooling ``pool``
-    launches over the tokens, forward and backward, as (kernel, constexprs, num_warps): what a GPU
-    of compute capability ``arch`` compiles for it (the tokens' dtype aside). The image size is not
-    part of it. With ``fused`` (default: :func:`.triton_fused.fuses`) the passes without pooling
-    are the fused kernels (:mod:`.triton_fused`, whose tiles depend on ``arch``) where they take
-    the heads."""
-    from . import triton_fused  # which imports this module's pieces of Eqs. 4-5
-    fused = triton_fused.fuses(pool, C // heads) if fused is None else fused
+    launches, forward and backward, as (kernel, constexprs, num_warps): what a GPU of compute
+    capability ``arch`` compiles for it (the tokens' dtype aside). The image size is not part of
+    it. With ``fused`` (default: :data:`.triton_fused.ENABLED`) the products are formed on chip
+    where the heads allow: without pooling in the fused passes (:mod:`.triton_fused`, whose tiles
+    depend on ``arch``), with pooling on the cell grid (:mod:`.triton_cells`); otherwise the band
+    products (:func:`.triton_band.specializations`) run between these passes."""
+    from . import triton_cells, triton_fused  # which import this module's pieces of Eqs. 4-5
+    fused = triton_fused.ENABLED if fused is None else fused
     if fused and triton_fused.can_fuse(pool, C // heads):
         return [*triton_fused.specializations(C // heads, arch), _parameter_gradients_spec()]
     passes = [_output_spec(C, pool), _token_gradients_spec(C, pool), _parameter_gradients_spec(),
               _input_gradient_spec(C, pool, pool == 1 or not square_of_pooled)]
     if pool > 1:  # T of the tokens: no moments pass without pooling
         passes.insert(0, _moments_spec(C, pool, square_of_pooled))
+    if fused and triton_cells.can_form_products(pool, C // heads):
+        passes += triton_cells.specializations(C // heads)
     return passes
