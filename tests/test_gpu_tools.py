@@ -98,11 +98,12 @@ def test_tile_tuning_tool():
 
 
 def test_fused_tile_tuning_tool():
-    """tools/analysis/tune_fused_tiles.py, in the interpreter on a grid 25 times smaller, two
-    candidates of the token gradients: y and dx equal the current tables', the fastest is marked
-    and the tables are printed as Python source; stages that do not run the fused passes are
-    refused; without the interpreter its spill check compiles a candidate for sm_90, and sm_80's
-    own tiles for sm_80 (no GPU); the current tables that spill are named."""
+    """tools/analysis/tune_fused_tiles.py, in the interpreter on grids 25 and 10 times smaller,
+    two candidates of the fused token gradients and of the cell products' backward: y and dx equal
+    the current tables', the fastest is marked and the tables of the kernel's module are printed
+    as Python source; stages that do not run the kernels are refused; without the interpreter its
+    spill check compiles a candidate for sm_90, and sm_80's own tiles for sm_80 (no GPU); the
+    current tables that spill are named."""
     tool = os.path.join(ROOT, 'tools', 'analysis', 'tune_fused_tiles.py')
     env = {**os.environ, 'TRITON_INTERPRET': '1'}
     out = subprocess.run([sys.executable, tool, '--device', 'cpu', '--shrink', '25', '--batch',
@@ -121,11 +122,28 @@ def test_fused_tile_tuning_tool():
     assert set(namespace['TILES']) == set(namespace['WALKS']) == {
         'output', 'token_gradients', 'input_gradient'}
     assert namespace['ARCH_TILES'] == triton_fused.ARCH_TILES
-    pooled = subprocess.run([sys.executable, tool, '--device', 'cpu', '--stages', 'pvt_tiny:1'],
-                            capture_output=True, text=True, timeout=600, env=env)
-    assert pooled.returncode == 2 and 'none of these stages runs the fused passes' in pooled.stderr
+    cells = subprocess.run([sys.executable, tool, '--device', 'cpu', '--shrink', '10', '--batch',
+                            '1', '--candidates', '2', '--stages', 'pvt_tiny:2', '--kernels',
+                            'products_backward'], capture_output=True, text=True, timeout=600,
+                           env=env)
+    assert cells.returncode == 0, cells.stderr[-3000:]
+    section = cells.stdout.split('\nproducts_backward, heads of 32 channels\n')[1]
+    lines = section.split('\n\n')[0].splitlines()
+    assert len(lines) == 2 and sum('<- fastest' in line for line in lines) == 1, cells.stdout
+    assert max(float(line.split('(difference ')[1].split(')')[0]) for line in lines) < 2e-3
+    tables = cells.stdout[cells.stdout.index('# triton_cells.py'):]
+    namespace = {}
+    exec(tables, namespace)
+    assert set(namespace['TILES']) == set(namespace['WALKS']) == {'products', 'products_backward'}
+    assert 'ARCH_TILES' not in namespace
+    pooled = subprocess.run([sys.executable, tool, '--device', 'cpu', '--stages', 'pvt_tiny:1',
+                             '--kernels', 'output'], capture_output=True, text=True, timeout=600,
+                            env=env)
+    assert pooled.returncode == 2 and 'none of these stages runs output' in pooled.stderr
     assert_compiles_without_spills('import tune_fused_tiles as t; '
                                    'print(t.spills("token_gradients", 64, 90, "float16"))')
+    assert_compiles_without_spills('import tune_fused_tiles as t; '
+                                   'print(t.spills("products_backward", 32, 90, "float16"))')
     # sm_80's own tiles (triton_fused.ARCH_TILES), where TILES spill there
     assert_compiles_without_spills('import tune_fused_tiles as t; '
                                    'print(t.spills("token_gradients", 32, 80, "float16"))')
@@ -133,5 +151,6 @@ def test_fused_tile_tuning_tool():
     assert_compiles_without_spills(
         'import tune_fused_tiles as t;'
         ' t.spills = lambda k, d, a, dt: 8 * ((k, d) == ("output", 32));'
-        ' found = t.spilling(["output", "token_gradients"], [32, 64], 90, "float16");'
+        ' found = t.spilling(["output", "token_gradients"], {t.triton_fused: [32, 64]}, 90,'
+        ' "float16");'
         ' print(found, int(found != [("output", 32, 8)]))')

@@ -1,16 +1,19 @@
-"""Time candidate tiles of the Triton backend's fused passes without pooling on a GPU and print the
-fastest for each kernel and head width, as ``TILES``, ``WALKS`` and ``ARCH_TILES`` of
-``mmdtn/models/layers/dtn/backends/triton_fused.py``.
+"""Time candidate tiles of the Triton backend's kernels that form the positional products on chip
+on a GPU and print the fastest for each kernel and head width: the fused passes without pooling,
+as ``TILES``, ``WALKS`` and ``ARCH_TILES`` of ``mmdtn/models/layers/dtn/backends/triton_fused.py``,
+and the products on the cell grid with pooling, as ``TILES`` and ``WALKS`` of ``triton_cells.py``.
 
-The tables there were chosen on an H200 (README, "Measured on an H200"); ``ARCH_TILES`` replaces
-tiles that another architecture's compiler spills. On another GPU, run this tool and put the
-printed tables in their place (``tune_band_tiles.py`` does the same for the band products that
-run with pooling). A candidate is written where the GPU's layer reads it: into ``ARCH_TILES`` for
-the kernels and widths it has for the GPU's architecture, else into ``TILES``.
+The fused passes' tables were chosen on an H200 (README, "Measured on an H200"; the cell products'
+have not been timed); ``ARCH_TILES`` replaces tiles that another architecture's compiler spills.
+On another GPU, run this tool and put the printed tables in their place (``tune_band_tiles.py``
+does the same for the band products, which run one factor at a time). A candidate is written
+where the GPU's layer reads it: into ``ARCH_TILES`` for the kernels and widths it has for the
+GPU's architecture, else into ``TILES``.
 
-For every fused kernel (the output, the token gradients, the input gradient) and head width
-(channels per head, padded to 32 or 64) of the chosen stages without pooling, each candidate
-(tokens of a token row per program, warps; rows of P_y^h's band a step, loads in flight) is:
+For every kernel (the fused output, token gradients and input gradient; the cell products and
+their backward) and head width (channels per head, padded to 32 or 64, and for the cell products
+to 16) of the chosen stages that run it (without pooling; with pooling), each candidate (tokens
+or cells of a row per program, warps; rows of P_y^h's band a step, loads in flight) is:
 
 1. compiled for the GPU's architecture without running (as ``compile_kernels.py``); candidates
    that spill registers are left out;
@@ -22,11 +25,11 @@ For every fused kernel (the output, the token gradients, the input gradient) and
    median of 3); only this kernel's tiles differ between candidates.
 
 The fastest by the sum over the stages wins and stays in the tables for the kernels tuned after
-it; each kernel's table is printed as soon as it is tuned, and the two tables at the end. The
-fused passes run here even with ``MMDTN_TRITON_FUSED=0``. Usage::
+it; each kernel's table is printed as soon as it is tuned, and the tables of the modules tuned at
+the end. The products run on chip here even with ``MMDTN_TRITON_FUSED=0``. Usage::
 
     python tools/analysis/tune_fused_tiles.py --device cuda [--stages pvt_tiny:3 swin_t:3] \
-        [--kernels token_gradients]
+        [--kernels token_gradients products]
 
 With ``TRITON_INTERPRET=1`` and ``--device cpu --shrink 20 --candidates 2`` it runs in Triton's
 interpreter on grids 20 times smaller (a check of the tool; the times mean nothing).
@@ -44,40 +47,49 @@ from benchmark_norm import DTYPES, selected_stages, stage_label
 from tuning import (add_tuning_arguments, fastest, print_rows, spilled_bytes, tables_literal,
                     target)
 from mmdtn import set_dtn_backend
-from mmdtn.models.layers.dtn.backends import triton_fused
+from mmdtn.models.layers.dtn.backends import triton_cells, triton_fused
 
-#: The fused kernels in the order the tables list them, with their index in
-#: :func:`.triton_fused.specializations`.
-KERNELS = {'output': 0, 'token_gradients': 1, 'input_gradient': 2}
+#: The kernels in the order the tables list them, with their module and their index in the
+#: module's ``specializations``.
+KERNELS = {'output': (triton_fused, 0), 'token_gradients': (triton_fused, 1),
+           'input_gradient': (triton_fused, 2), 'products': (triton_cells, 0),
+           'products_backward': (triton_cells, 1)}
 #: Candidates: (tokens, warps) of TILES and (rows a step, loads in flight) of WALKS.
 CANDIDATES = [(tile, walk) for tile, walk in itertools.product(
     [(16, 4), (16, 8), (16, 2), (32, 4), (32, 8), (32, 2)], [(1, 1), (2, 1), (2, 2)])]
 
 
+def module(kernel):
+    """The module whose tables hold ``kernel``'s tiles (its home)."""
+    return KERNELS[kernel][0]
+
+
 def current(kernel, d_block, arch):
-    return triton_fused.tiles(kernel, d_block, arch), triton_fused.WALKS[kernel][d_block]
+    home = module(kernel)
+    return home.tiles_table(kernel, d_block, arch)[d_block], home.WALKS[kernel][d_block]
 
 
 def set_candidate(kernel, d_block, arch, candidate):
-    (triton_fused.tiles_table(kernel, d_block, arch)[d_block],
-     triton_fused.WALKS[kernel][d_block]) = candidate
-    triton_fused.specializations.cache_clear()
+    home = module(kernel)
+    home.tiles_table(kernel, d_block, arch)[d_block], home.WALKS[kernel][d_block] = candidate
+    home.specializations.cache_clear()
 
 
 def spills(kernel, d, arch, dtype):
     """Bytes spilled by ``kernel`` for heads of d channels with the tables as they are, compiled
     for sm_<arch>, tokens of ``dtype`` (its name, e.g. 'float16'; :func:`.tuning.spilled_bytes`)."""
-    return spilled_bytes(triton_fused.specializations(d, arch)[KERNELS[kernel]], dtype, arch)
+    home, index = KERNELS[kernel]
+    return spilled_bytes(home.specializations(d, arch)[index], dtype, arch)
 
 
 def spilling(kernels, widths, arch, dtype):
-    """[(kernel, width, bytes)]: the current tables of the fused ``kernels`` for heads of each of
-    ``widths`` that spill on sm_<arch> (none in the interpreter). A candidate's time is the whole
-    layer's, so such a kernel adds the same spilled time to every candidate of the others: their
-    order holds, their totals do not."""
+    """[(kernel, width, bytes)]: the current tables of ``kernels`` for heads of each of their
+    ``widths`` (by module) that spill on sm_<arch> (none in the interpreter). A candidate's time
+    is the whole layer's, so such a kernel adds the same spilled time to every candidate of the
+    others: their order holds, their totals do not."""
     found = []
     for kernel in kernels:
-        for width in widths:
+        for width in widths[module(kernel)]:
             spilled = spills(kernel, width, arch, dtype)
             if spilled:
                 found.append((kernel, width, spilled))
@@ -85,14 +97,14 @@ def spilling(kernels, widths, arch, dtype):
 
 
 class StageLayer:
-    """A DTN layer of one stage without pooling at its initialisation, with tokens and an upstream
-    gradient (batch ``batch``, ``dtype``)."""
+    """A DTN layer of one stage at its initialisation, with tokens and an upstream gradient
+    (batch ``batch``, ``dtype``)."""
 
-    def __init__(self, C, H, W, heads, batch, dtype, device):
+    def __init__(self, C, H, W, pool, heads, batch, dtype, device):
         self.d = C // heads
         self.hw = (H, W)
         self.x, self.grad = bench.inputs(C, H, W, batch, device, dtype)
-        self.layer = bench.layers(C, heads, 1, device, [('triton', device)], False,
+        self.layer = bench.layers(C, heads, pool, device, [('triton', device)], False,
                                   dtype)['DTN triton'][0]
 
     def outputs(self):
@@ -142,12 +154,25 @@ def tune(kernel, d_block, stages, device, arch, count, progress):
     return rows, best
 
 
-def tables():
-    """TILES, WALKS and ARCH_TILES as Python source."""
-    return '\n'.join([
-        tables_literal(triton_fused, ('TILES', 'WALKS'), lambda by_width: '{' + ', '.join(
-            f'{d_block}: {value}' for d_block, value in sorted(by_width.items())) + '}'),
-        tables_literal(triton_fused, ('ARCH_TILES', ), repr)])
+def tables(modules):
+    """The tables of ``modules`` as Python source, each under a comment naming its file: TILES and
+    WALKS, and triton_fused's ARCH_TILES."""
+    text = []
+    for home in modules:
+        text += [f'# {home.__name__.split(".")[-1]}.py',
+                 tables_literal(home, ('TILES', 'WALKS'), lambda by_width: '{' + ', '.join(
+                     f'{d_block}: {value}' for d_block, value in sorted(by_width.items())) + '}')]
+        if home is triton_fused:
+            text.append(tables_literal(triton_fused, ('ARCH_TILES', ), repr))
+    return '\n'.join(text)
+
+
+def runs(home, C, pool, heads):
+    """Whether a layer of C channels in ``heads`` heads with pooling ``pool`` runs the kernels of
+    module ``home``."""
+    if home is triton_fused:
+        return triton_fused.can_fuse(pool, C // heads)
+    return triton_cells.can_form_products(pool, C // heads)
 
 
 def main():
@@ -163,37 +188,43 @@ def main():
     if layout is not None and layout != arch:
         parser.error(f'--arch {arch}: the layer on this GPU runs the tiles of sm_{layout}')
     dtype = DTYPES[args.dtype]
-    by_width = {}
+    modules = list(dict.fromkeys(module(kernel) for kernel in args.kernels))
+    by_width = {home: {} for home in modules}  # module: {head width: {stage: StageLayer}}
     for model, stage, C, H, W, pool, heads in selected_stages(parser, args.stages):
-        if pool == 1 and triton_fused.can_fuse(pool, C // heads):
-            H, W = max(1, H // args.shrink), max(1, W // args.shrink)
-            label = stage_label(model, stage, C, H, W, pool)
-            by_width.setdefault(triton_fused.head_block(C // heads), {})[label] = StageLayer(
-                C, H, W, heads, args.batch, dtype, device)
-    if not by_width:
-        parser.error('none of these stages runs the fused passes (no pooling, heads of at most '
+        H, W = max(1, H // args.shrink), max(1, W // args.shrink)
+        label = stage_label(model, stage, C, H, W, pool)
+        for home in modules:
+            if runs(home, C, pool, heads):
+                by_width[home].setdefault(home.head_block(C // heads), {})[label] = \
+                    StageLayer(C, H, W, pool, heads, args.batch, dtype, device)
+    if not any(by_width.values()):
+        parser.error(f'none of these stages runs {" or ".join(args.kernels)} (the fused passes: '
+                     'no pooling; the cell products: pooling; heads of at most '
                      f'{triton_fused.MAX_HEAD_CHANNELS} channels)')
-    print(f'Fused passes on {header}, {args.dtype} tokens, batch {args.batch}: GPU us per '
-          f'forward + backward of each stage\'s layer, the median of 3; candidates as (tokens, '
-          f'warps), (band rows a step, loads in flight)')
-    for d_block, stages in sorted(by_width.items()):
-        print(f'heads of {d_block} channels: ' + ', '.join(stages), flush=True)
-    for kernel, d_block, spilled in spilling(KERNELS, sorted(by_width), arch, args.dtype):
+    print(f'Products on chip on {header}, {args.dtype} tokens, batch {args.batch}: GPU us per '
+          f'forward + backward of each stage\'s layer, the median of 3; candidates as (tokens or '
+          f'cells, warps), (band rows a step, loads in flight)')
+    for home in modules:
+        for d_block, stages in sorted(by_width[home].items()):
+            print(f'{home.__name__.split(".")[-1]}, heads of {d_block} channels: '
+                  + ', '.join(stages), flush=True)
+    widths = {home: sorted(by_width[home]) for home in modules}
+    for kernel, d_block, spilled in spilling(args.kernels, widths, arch, args.dtype):
         print(f'the current tables of {kernel} for heads of {d_block} channels spill {spilled} '
               f'bytes on sm_{arch}: every candidate\'s time includes that kernel\'s (their order '
               'holds); tune it too', flush=True)
-    jobs = [(kernel, d_block) for kernel in args.kernels for d_block in sorted(by_width)]
+    jobs = [(kernel, d_block) for kernel in args.kernels for d_block in widths[module(kernel)]]
     progress = tqdm(total=sum(len(candidates(kernel, d_block, layout, args.candidates))
                               for kernel, d_block in jobs),
                     desc='candidates')
     for kernel, d_block in jobs:
-        rows, best = tune(kernel, d_block, list(by_width[d_block].values()), device, layout,
-                          args.candidates, progress)
+        rows, best = tune(kernel, d_block, list(by_width[module(kernel)][d_block].values()),
+                          device, layout, args.candidates, progress)
         progress.clear()
         print_rows(f'{kernel}, heads of {d_block} channels', rows, best, arch,
                    lambda candidate: f'{candidate[0]}, {candidate[1]}', 18)
     progress.close()
-    print('\n' + tables())
+    print('\n' + tables(modules))
 
 
 if __name__ == '__main__':

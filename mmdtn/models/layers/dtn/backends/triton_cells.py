@@ -35,13 +35,24 @@ from .triton_kernels import _layout
 from .triton_launch import cdiv, launch
 
 __all__ = ['can_form_products', 'forms_products', 'cell_products', 'cell_products_backward',
-           'specializations', 'TILES']
+           'specializations', 'head_block', 'tiles_table', 'TILES', 'WALKS']
 
-#: (cells of a cell row per program, warps) by kernel; the cells are the rows of P_x in one tl.dot
-#: (at least 16). Chosen as the fused token-gradient pass's (:data:`.triton_fused.TILES`), which
-#: holds more per program; compiled without spills on sm_80 and sm_90 (``compile_kernels.py``),
-#: not yet timed on a GPU.
-TILES = {'products': (16, 4), 'products_backward': (16, 4)}
+#: (cells of a cell row per program, warps) by kernel and head width (channels, padded to 16, 32
+#: or 64: :func:`head_block`); the cells are the rows of P_x in one tl.dot (at least 16). Chosen as
+#: the fused token-gradient pass's tiles (:data:`.triton_fused.TILES`), a program of which holds
+#: more; compiled without spills on sm_80 and sm_90 (``compile_kernels.py``), not yet timed on a
+#: GPU: ``tools/analysis/tune_fused_tiles.py --kernels products products_backward`` times
+#: candidates on the GPU at hand and prints the tables to put here.
+TILES = {
+    'products': {16: (16, 4), 32: (16, 4), 64: (16, 4)},
+    'products_backward': {16: (16, 4), 32: (16, 4), 64: (16, 4)},
+}
+#: The walk over P_y^h's band, by kernel and head width as :data:`TILES`: (rows unrolled per
+#: step, loads in flight), as :data:`.triton_fused.WALKS`; one row after the other, untimed.
+WALKS = {
+    'products': {16: (1, 1), 32: (1, 1), 64: (1, 1)},
+    'products_backward': {16: (1, 1), 32: (1, 1), 64: (1, 1)},
+}
 
 
 def can_form_products(pool, d):
@@ -66,7 +77,8 @@ def _cell_tile(ptr, head, b, s_head, s_b):
                                't_plane', 'm_shead', 'm_sb', 'm_srow', 'm_scol', 'm_plane'])
 def _products_kernel(t_ptr, p_y_ptr, p_x_ptr, m_ptr, Hp, Wp, d, t_shead, t_sb, t_srow, t_scol,
                      t_plane, m_shead, m_sb, m_srow, m_scol, m_plane, CELLS: tl.constexpr,
-                     BAND: tl.constexpr, D_BLOCK: tl.constexpr, SPAN_BLOCK: tl.constexpr):
+                     BAND: tl.constexpr, D_BLOCK: tl.constexpr, SPAN_BLOCK: tl.constexpr,
+                     UNROLL: tl.constexpr, STAGES: tl.constexpr):
     """m = P^h T at cells w of cell row i of image b for head h (program (b Hp + i, block, h))."""
     row, block, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, i = row // Hp, row % Hp
@@ -77,8 +89,8 @@ def _products_kernel(t_ptr, p_y_ptr, p_x_ptr, m_ptr, Hp, Wp, d, t_shead, t_sb, t
     bands = fused._bands(p_y, p_x, i, w, Hp, Wp, False, SPAN_BLOCK)
     t_cells = _cell_tile(t_ptr, head, b, t_shead, t_sb)
     first, second = fused._products(t_cells, t_plane, t_cells, 0, 0.0, p_y, p_x, bands, i, w, Hp,
-                                    Wp, t_srow, t_scol, c, real, False, False, BAND, D_BLOCK, 1,
-                                    1)
+                                    Wp, t_srow, t_scol, c, real, False, False, BAND, D_BLOCK,
+                                    UNROLL, STAGES)
     m_cells = _cell_tile(m_ptr, head, b, m_shead, m_sb)
     offsets = i * m_srow + w[:, None] * m_scol + c[None, :]
     mask = (w < Wp)[:, None] & real[None, :]
@@ -121,7 +133,8 @@ def cell_products(T, p_y, p_x, grid):
 def _products_backward_kernel(t_ptr, dm_ptr, p_y_ptr, p_x_ptr, dt_ptr, coef_ptr, Hp, Wp, d,
                               t_shead, t_sb, t_srow, t_scol, t_plane, m_shead, m_sb, m_srow,
                               m_scol, m_plane, CELLS: tl.constexpr, BAND: tl.constexpr,
-                              D_BLOCK: tl.constexpr, SPAN_BLOCK: tl.constexpr):
+                              D_BLOCK: tl.constexpr, SPAN_BLOCK: tl.constexpr,
+                              UNROLL: tl.constexpr, STAGES: tl.constexpr):
     """For cells w of cell row i of image b and head h (program (b Hp + i, block, h)): dL/dT =
     P^hT dL/dm there (dL/dT with T's strides, dL/dm with m's), and the program's share of the
     gradient of a^h (programs, heads, 3)."""
@@ -137,7 +150,7 @@ def _products_backward_kernel(t_ptr, dm_ptr, p_y_ptr, p_x_ptr, dt_ptr, coef_ptr,
     transposed = fused._bands(p_y, p_x, i, w, Hp, Wp, True, SPAN_BLOCK)
     dt_first, dt_second = fused._products(dm_cells, m_plane, dm_cells, 0, 0.0, p_y, p_x,
                                           transposed, i, w, Hp, Wp, m_srow, m_scol, c, real,
-                                          False, True, BAND, D_BLOCK, 1, 1)
+                                          False, True, BAND, D_BLOCK, UNROLL, STAGES)
     dt_cells = _cell_tile(dt_ptr, head, b, t_shead, t_sb)
     offsets = i * t_srow + w[:, None] * t_scol + c[None, :]
     tl.store(dt_cells + offsets, dt_first, mask=mask)
@@ -149,7 +162,7 @@ def _products_backward_kernel(t_ptr, dm_ptr, p_y_ptr, p_x_ptr, dt_ptr, coef_ptr,
     bands = fused._bands(p_y, p_x, i, w, Hp, Wp, False, SPAN_BLOCK)
     da1, da2, da3 = fused._coefficient_sums(t_cells, t_plane, t_srow, t_scol, dm_first, dm_second,
                                             0.0, p_y, p_x, bands, i, w, Hp, Wp, c, real, False,
-                                            BAND, D_BLOCK, 1, 1)
+                                            BAND, D_BLOCK, UNROLL, STAGES)
     coef = coef_ptr + ((row * tl.num_programs(1) + block) * tl.num_programs(2) + head) * 3
     tl.store(coef, da1)
     tl.store(coef + 1, da2)
@@ -171,15 +184,29 @@ def cell_products_backward(dm, T, p_y, p_x, grid):
     return dT, shares
 
 
+def head_block(d):
+    """The width :data:`TILES` and :data:`WALKS` are keyed by for heads of d channels: d padded to
+    16 or the power of two above it."""
+    return max(16, triton.next_power_of_2(d))
+
+
+def tiles_table(name, d_block, arch=None):
+    """The table by head width that kernel ``name`` takes its tiles from (:data:`TILES` on every
+    architecture; as :func:`.triton_fused.tiles_table`)."""
+    return TILES[name]
+
+
 def _spec(kernel, name, d):
-    cells, warps = TILES[name]
-    return kernel, dict(CELLS=cells, BAND=fused.BAND, D_BLOCK=max(16, triton.next_power_of_2(d)),
-                        SPAN_BLOCK=SPAN_BLOCK), warps
+    d_block = head_block(d)
+    cells, warps = TILES[name][d_block]
+    unroll, stages = WALKS[name][d_block]
+    return kernel, dict(CELLS=cells, BAND=fused.BAND, D_BLOCK=d_block, SPAN_BLOCK=SPAN_BLOCK,
+                        UNROLL=unroll, STAGES=stages), warps
 
 
 @functools.lru_cache(maxsize=None)
-def specializations(d):
+def specializations(d, arch=None):
     """(kernel, constexprs, num_warps) of the products and their backward for heads of d
-    channels."""
+    channels (the same on every architecture ``arch``)."""
     return (_spec(_products_kernel, 'products', d),
             _spec(_products_backward_kernel, 'products_backward', d))
