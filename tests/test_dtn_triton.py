@@ -147,7 +147,7 @@ def test_fused_input_gradient_programs_of_several_token_rows(triton_dtn, fused_p
     with recording_launches() as launches:
         assert max(relative_errors(norm, x, (7, 20))) < 1e-5
     sums = [k.written for k in launches if k.name == 'triton.fused_input_gradient']
-    assert sums and set(sums) == {2 * 7 * 20 * 8 * 4 + 2 * -(-7 // rows) * 6 * 8 * 4}  # dx, sums
+    assert sums and set(sums) == {2 * 7 * 20 * 8 * 4 + 2 * -(-7 // rows) * 4 * 8 * 4}  # dx, sums
 
 
 def test_fused_passes_take_the_tiles_of_the_gpus_architecture(
@@ -288,7 +288,7 @@ def test_traffic_without_pooling(backend_setting, fused_passes):
     rows = rows_per_program(2 * H * blocks * heads, H)
     assert rows == 2  # PVT-Tiny's stage 3 at batch 2: 1500 programs of a token row
     programs = 2 * -(-H // rows) * blocks
-    sums = programs * 6 * C * 4 / tokens  # per program, for the weight, bias and ratios
+    sums = programs * 4 * C * 4 / tokens  # per program, for the weight, bias and gates
     passes = backward.by_kernel['triton.fused_token_gradients'] / tokens
     assert 2 * token_bytes + dm_bytes < passes <= 1.03 * (2 * token_bytes + dm_bytes)
     passes = backward.by_kernel['triton.fused_input_gradient'] / tokens
@@ -364,7 +364,7 @@ def test_factors_in_one_launch_equal_the_pytorch_formulation(heads, rows, cols):
         want, given = gradient(expected, coef64, used), shares(used)
         with recording_launches() as launches:
             kernel, *_ = triton_parameters.run_parameters_backward(
-                given, *gates, torch.zeros_like(ratios), 1, False)
+                given, *gates, ratios.new_zeros(2, ratios.shape[1]), 1, False)
         assert [k.name for k in launches] == ['triton.parameters_backward']
         error = (kernel.double() - want).abs().max()
         pytorch_error = (gradient(pytorch, coef, used) - want).abs().max()
@@ -376,8 +376,9 @@ def test_factors_in_one_launch_equal_the_pytorch_formulation(heads, rows, cols):
 def test_channel_ratios_in_one_launch_equal_the_pytorch_formulation(layernorm, heads, d):
     """The ratios (4, C) from the gates, in the parameters' kernel forward and backward, equal
     gates.channel_ratios to float32 rounding, and so do the gates' gradients (summed over more
-    channels than one step covers for d = 300), for logits and for distances from LayerNorm: at
-    0 (LayerNorm exactly), below and above tanh's series threshold, and negative."""
+    channels than one step covers for d = 300; from the ratios' gradient with 1 - lambda tied to
+    lambda), for logits and for distances from LayerNorm: at 0 (LayerNorm exactly), below and
+    above tanh's series threshold, and negative."""
     torch.manual_seed(d)
     gates = [3 * torch.randn(heads), torch.randn(heads)]
     gates[0][0], gates[1][-1] = 0.0, -0.05
@@ -386,8 +387,9 @@ def test_channel_ratios_in_one_launch_equal_the_pytorch_formulation(layernorm, h
     p_y, p_x, ratios = triton_parameters.run_parameters(coef, *(g.detach() for g in gates), 2, 3,
                                                         d, layernorm)
     grad = torch.linspace(-1.0, 2.0, ratios.numel(), device=DEVICE).view_as(ratios)
+    tied = grad[[0, 2]] - grad[[1, 3]]  # of lambda, less that of 1 - lambda
     _, *kernel_grads = triton_parameters.run_parameters_backward(
-        [torch.zeros(1, heads, 3, device=DEVICE)], *(g.detach() for g in gates), grad, d,
+        [torch.zeros(1, heads, 3, device=DEVICE)], *(g.detach() for g in gates), tied, d,
         layernorm)
     expected = channel_ratios(*gates, d, layernorm, torch.float32)
     assert torch.allclose(ratios, expected, rtol=3e-7, atol=1e-7)

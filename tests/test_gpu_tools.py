@@ -42,14 +42,17 @@ def test_kernels_compile_for_sm90_without_spills():
 def test_compiled_as_the_layers_launch_them():
     """compile_kernels.py compiles every tensor argument as aligned to 16 bytes (Triton
     specialises on it at a launch) and C and d as multiples of 16 where a kernel specialises on
-    them (the moments with pooling), never H and W (runtime: no recompilation per resolution)."""
+    them (the moments with pooling, the fused input gradient), never H and W (runtime: no
+    recompilation per resolution)."""
     assert_compiles_without_spills(
         'import compile_kernels as c;'
         ' from mmdtn.models.layers.dtn.backends import triton_kernels as k, triton_fused as f;'
         ' names = lambda kernel: {kernel.arg_names[i] for (i, ) in c.attributes(kernel, {})};'
         ' moments, output = names(k._moments_kernel), names(k._output_kernel);'
-        ' fine = {"C", "d", "x_ptr"} <= moments and "x_ptr" in output'
-        ' and not {"C", "d", "H", "W"} & (output | names(f._fused_output_kernel));'
+        ' fused_dx = names(f._fused_input_gradient_kernel);'
+        ' fine = {"C", "d", "x_ptr"} <= moments & fused_dx and "x_ptr" in output'
+        ' and not {"C", "d", "H", "W"} & (output | names(f._fused_output_kernel))'
+        ' and not {"H", "W"} & (moments | fused_dx);'
         ' print(moments, output, int(not fine))')
 
 

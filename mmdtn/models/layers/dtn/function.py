@@ -143,7 +143,9 @@ class Saved:
 class Gradients:
     """Gradients of the loss for every differentiable input of the layer's core. A backend that
     takes the layer's own parameters (:class:`FormedParameters`) may give, instead of the
-    gradients of P_y and P_x (then None), ``coefficients``: a list of tensors of shares
+    gradient of the ratios (4, C), that of their two mixtures with 1 - lambda tied to lambda (2,
+    C: the Triton backend), and instead of the gradients of P_y and P_x (then None),
+    ``coefficients``: a list of tensors of shares
     (programs, heads, 3) of the gradient of a^h, which add up to it (the Triton backend: one from
     its fused passes, or one from each of its factors, whose ``outer`` contracts the gradient of
     P with Eq. 6 as it forms it)."""
@@ -311,7 +313,8 @@ def ln_gradient(tok1, tok2, mean_ln, C, n_var):
 #: Each channel parameter's gradient as a multiple of one row of the sums over the tokens (6, C)
 #: of xhat g, g, mu_ln D1, var_ln D2, mu_it D1 and var_it D2 (D1 = -dL/dmu, D2 = -2 dL/dvar):
 #: (row, factor) for the weight, the bias and the ratios' rows lambda_m, kappa_m, lambda_v and
-#: kappa_v (Eq. 4's mixtures). The Triton backend's reduction takes it as it is.
+#: kappa_v (Eq. 4's mixtures). The Triton backend sums four rows instead
+#: (:data:`.backends.triton_kernels.TIED_SUMS`).
 PARAMETER_SUMS = ((0, 1.0), (1, 1.0), (2, -1.0), (4, -1.0), (3, -0.5), (5, -0.5))
 
 

@@ -44,14 +44,16 @@ The rows of the band are read again by the programs of neighbouring token rows: 
 cache (``kernel_loads.py`` counts those reads). Heads wider than MAX_HEAD_CHANNELS channels run the
 staged passes (:func:`fuses`).
 
-H and W are runtime arguments (no recompilation per resolution), and so are the channel count C and
-the head width d here: specialised on them (multiples of 16 in every layer of PVT and Swin),
-Triton reads the tokens 8 or 16 bytes at a time instead of 2, but these kernels spilled with
-their tiles (``compile_kernels.py``: the output 8-56 bytes on sm_86 to sm_120, the token
-gradients 52-80 on sm_80 for float32 tokens, the input gradient 80-252 on sm_80 and sm_90). On
-sm_90 the token gradients took 159 registers instead of 219 for heads of 64 channels: with tiles
-tuned for it on a GPU, a lead. (:mod:`.triton_kernels` specialises its moments, token-gradient and
-input-gradient passes on C and d.)
+H and W are runtime arguments (no recompilation per resolution). Specialised on the channel count
+C and the head width d (multiples of 16 in every layer of PVT and Swin), Triton reads and writes
+the tokens 8 or 16 bytes at a time instead of 2: the input gradient is (with the four sums of
+:data:`.triton_kernels.TIED_SUMS` it compiles without spills on sm_80 to sm_120; with six it
+spilled 80-252 bytes on sm_80 and sm_90), the output and the token gradients are not, since with
+their tiles they spilled (``compile_kernels.py``: the output 8-56 bytes on sm_86 to sm_120, the
+token gradients 52-80 on sm_80 for float32 tokens). On sm_90 the token gradients took 159
+registers instead of 219 for heads of 64 channels: with tiles tuned for it on a GPU, a lead.
+(:mod:`.triton_kernels` specialises its moments, token-gradient and input-gradient passes on C
+and d.)
 """
 import functools
 import os
@@ -61,7 +63,7 @@ import triton
 import triton.language as tl
 
 from .triton_band import SPAN_BLOCK, _band, _weights
-from .triton_kernels import _channel_row, _ratio_rows, _standardised
+from .triton_kernels import SUM_ROWS, _channel_row, _ratio_rows, _standardised
 from .triton_launch import cdiv, launch
 
 __all__ = ['can_fuse', 'fuses', 'fused_output', 'fused_backward', 'specializations',
@@ -140,7 +142,7 @@ WALKS = {
 #: The input-gradient programs a launch keeps at least where it can: about 4 per SM of an H100's
 #: or H200's 132, which hold 8 warps of up to 255 registers a thread each (2 programs of 4 warps,
 #: 1 of 8; :data:`TILES`). Where a program per token row makes more, each program takes several
-#: rows (:func:`rows_per_program`) and writes the parameter sums (6 float32 values per channel)
+#: rows (:func:`rows_per_program`) and writes the parameter sums (4 float32 values per channel)
 #: once for all of them. On an H200, 256 to 2048 (and a row each) were within 3% of 512 at
 #: PVT-Tiny's stage 3 (132: 11% more time); Swin-T's stage 4 took 3-4% less with 2048.
 PROGRAMS = 512
@@ -487,8 +489,8 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
     tl.store(token + 3, alpha, mask=w < W)
 
 
-# not specialised on C and d: with them its tiles spilled 80-252 bytes on sm_80 and sm_90
-@triton.jit(do_not_specialize=['H', 'W', 'C', 'd', 'rows'])
+# specialised on C and d: 16-byte token loads; without spills on sm_80 to sm_120 in every dtype
+@triton.jit(do_not_specialize=['H', 'W', 'rows'])
 def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr,
                                  weight_ptr, scaled_dm_ptr, exponent_ptr, token_ptr, dx_ptr,
                                  partial_ptr, H, W, C, d, rows, eps, TOKENS: tl.constexpr,
@@ -498,8 +500,9 @@ def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, rat
     """dx of head ``program_id(2)``'s channels of tokens w of up to ``rows`` token rows i of image
     b (program (b R + k, block, head) takes rows k rows ... k rows + rows - 1, R = ceil(H /
     rows)): D1 + x beta + alpha + dL/dT_0 + 2 (x - centre) dL/dT_1; and the sums of xhat g, g,
-    mu_ln D1, var_ln D2, mu_it D1, var_it D2 over all its tokens, for the head's channels of the
-    sums (6, C) of program (b R + k, block)."""
+    (mu_ln - mu_it) D1 and (var_ln - var_it) D2 over all its tokens
+    (:data:`.triton_kernels.TIED_SUMS`), for the head's channels of the sums (4, C) of program (b R
+    + k, block)."""
     row_block, block, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row_blocks = tl.cdiv(H, rows)
     b, first_row = row_block // row_blocks, (row_block % row_blocks) * rows
@@ -513,10 +516,8 @@ def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, rat
     gamma = _channel_row(weight_ptr + head * d, d, D_BLOCK)
     xhat_g = tl.zeros([D_BLOCK], tl.float32)
     g_sum = tl.zeros([D_BLOCK], tl.float32)
-    mean_ln_d1 = tl.zeros([D_BLOCK], tl.float32)
-    var_ln_d2 = tl.zeros([D_BLOCK], tl.float32)
-    mean_it_d1 = tl.zeros([D_BLOCK], tl.float32)
-    var_it_d2 = tl.zeros([D_BLOCK], tl.float32)
+    mean_d1 = tl.zeros([D_BLOCK], tl.float32)  # (mu_ln - mu_it) D1
+    var_d2 = tl.zeros([D_BLOCK], tl.float32)  # (var_ln - var_it) D2
     for i in range(first_row, tl.minimum(first_row + rows, H)):
         token = token_ptr + (b.to(tl.int64) * H * W + i * W + w) * 4
         mean_ln = tl.load(token, mask=w < W, other=0.0)[:, None]
@@ -532,10 +533,8 @@ def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, rat
         d2 = d1 * xhat * rstd
         xhat_g += tl.sum(xhat * g, axis=0)
         g_sum += tl.sum(g, axis=0)
-        mean_ln_d1 += tl.sum(mean_ln * d1, axis=0)
-        var_ln_d2 += tl.sum(var_ln * d2, axis=0)
-        mean_it_d1 += tl.sum((first + centre) * d1, axis=0)
-        var_it_d2 += tl.sum(var_it * d2, axis=0)
+        mean_d1 += tl.sum((mean_ln - first - centre) * d1, axis=0)
+        var_d2 += tl.sum((var_ln - var_it) * d2, axis=0)
         bands = _bands(p_y, p_x, i, w, H, W, True, SPAN_BLOCK)  # of the transposed factors
         dt_first, dt_second = _products(scaled_dm_ptr + image, plane, exponents, exponent_plane,
                                         centre, p_y, p_x, bands, i, w, H, W, W * C, C, channel,
@@ -544,13 +543,11 @@ def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, rat
         tl.store(dx_ptr + image + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
     c = tl.arange(0, D_BLOCK)
     program = (row_block * tl.num_programs(1) + block).to(tl.int64)
-    sums = partial_ptr + program * 6 * C + head * d + c
+    sums = partial_ptr + program * SUM_ROWS * C + head * d + c
     tl.store(sums, xhat_g, mask=c < d)
     tl.store(sums + C, g_sum, mask=c < d)
-    tl.store(sums + 2 * C, mean_ln_d1, mask=c < d)
-    tl.store(sums + 3 * C, var_ln_d2, mask=c < d)
-    tl.store(sums + 4 * C, mean_it_d1, mask=c < d)
-    tl.store(sums + 5 * C, var_it_d2, mask=c < d)
+    tl.store(sums + 2 * C, mean_d1, mask=c < d)
+    tl.store(sums + 3 * C, var_d2, mask=c < d)
 
 
 def gradient_dtype(dtype):
@@ -570,7 +567,7 @@ def rows_per_program(programs, H):
 
 
 def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
-    """dx (x's shape and dtype), the input-gradient programs' sums (programs, 6, C) for the weight,
+    """dx (x's shape and dtype), the input-gradient programs' sums (programs, 4, C) for the weight,
     the bias and the ratios (as :func:`.triton_kernels.token_gradients`') and the token-gradient
     programs' shares (programs, heads, 3) of the gradient of a^h, from g and x (B, N, C)
     contiguous and the forward pass's operands: two launches."""
@@ -593,7 +590,7 @@ def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
     blocks = cdiv(grid.W, spec[1]['TOKENS'])
     rows = rows_per_program(B * grid.H * blocks * grid.heads, grid.H)
     programs = (B * cdiv(grid.H, rows), blocks, grid.heads)
-    partial = x.new_empty(programs[0] * programs[1], 6, C, dtype=torch.float32)
+    partial = x.new_empty(programs[0] * programs[1], SUM_ROWS.value, C, dtype=torch.float32)
     launch('triton.fused_input_gradient', spec, programs, [*operands, dm, exponents, token],
            [dx, partial], *operands, dm, exponents, token, dx, partial, grid.H, grid.W, C, grid.d,
            rows, float(eps))

@@ -45,7 +45,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..function import PARAMETER_SUMS
 from .triton_launch import cdiv, launch
 
 __all__ = ['sample_centre', 'moments', 'output', 'token_gradients', 'input_gradient',
@@ -64,6 +63,16 @@ TOKENS_PER_PROGRAM = 64
 #: The centre is the mean of one token in CENTRE_STRIDE: a prime stride walks across the columns
 #: of every token grid whose width it does not divide, rather than down a few of them.
 CENTRE_STRIDE = 17
+
+#: The sums over the tokens per channel that the backward passes give for the parameters (rows of
+#: (programs, 4, C)): xhat g, g, (mu_ln - mu_it) D1 and (var_ln - var_it) D2 (D1 = -dL/dmu, D2 =
+#: -2 dL/dvar), and, by row, (row, factor) of the gradient each is a multiple of: the weight's, the
+#: bias's, and those of lambda_mean and lambda_var with 1 - lambda tied to lambda (Eq. 5's
+#: mixtures, whose two ratios the gates set together: :mod:`.triton_ratios`). The gradients of
+#: lambda and 1 - lambda apart (:data:`..function.PARAMETER_SUMS`, six sums) are never needed.
+TIED_SUMS = ((0, 1.0), (1, 1.0), (2, -1.0), (3, -0.5))
+#: Rows of the sums per program and channel (for the kernels, which take it as a constexpr).
+SUM_ROWS = tl.constexpr(len(TIED_SUMS))
 
 #: Pointer arguments of the kernels to tensors of the tokens' dtype; all others are float32 but
 #: the fused passes' dL/dm and its exponents (:data:`.triton_fused.GRADIENT_POINTERS`,
@@ -370,7 +379,7 @@ def _token_gradients_kernel(x_ptr, g_ptr, m_first_ptr, m_second_ptr, centre_ptr,
                             C_BLOCK: tl.constexpr):
     """For TILES tiles of CELLS cells of cell row ci of image b: with D1 = g w rstd (= -dL/dmu)
     and D2 = D1 xhat rstd (= -2 dL/dvar), dL/dm of every cell with respect to the raw moments and
-    the program's sums of xhat g, g, mu_ln D1, var_ln D2, mu_it D1, var_it D2 (6, C)."""
+    the program's sums of :data:`TIED_SUMS` (4, C)."""
     b, ci, first_cell, Wp = _program_tile(H, W, POOL, CELLS * TILES)
     cols = tl.arange(0, C_BLOCK)
     centre = _channel_row(centre_ptr + b * C, C, C_BLOCK)
@@ -379,10 +388,8 @@ def _token_gradients_kernel(x_ptr, g_ptr, m_first_ptr, m_second_ptr, centre_ptr,
     x_image, g_image = _image(x_ptr, b, H * W * C), _image(g_ptr, b, H * W * C)
     xhat_g = tl.zeros([CELLS * S_BLOCK, C_BLOCK], tl.float32)
     g_sum = tl.zeros([CELLS * S_BLOCK, C_BLOCK], tl.float32)
-    mean_ln_d1 = tl.zeros([CELLS * S_BLOCK, C_BLOCK], tl.float32)
-    var_ln_d2 = tl.zeros([CELLS * S_BLOCK, C_BLOCK], tl.float32)
-    mean_it_d1 = tl.zeros([CELLS * S_BLOCK, C_BLOCK], tl.float32)
-    var_it_d2 = tl.zeros([CELLS * S_BLOCK, C_BLOCK], tl.float32)
+    mean_d1 = tl.zeros([CELLS * S_BLOCK, C_BLOCK], tl.float32)  # (mu_ln - mu_it) D1
+    var_d2 = tl.zeros([CELLS * S_BLOCK, C_BLOCK], tl.float32)  # (var_ln - var_it) D2
     for tile in range(TILES):
         start = first_cell + tile * CELLS
         offsets, cell_mask = _cell_tile(b, ci, start, Wp, C, d, m_sb, m_srow, m_scol, m_shead,
@@ -406,35 +413,32 @@ def _token_gradients_kernel(x_ptr, g_ptr, m_first_ptr, m_second_ptr, centre_ptr,
             d2_cells += _cell_sums(d2, CELLS, S_BLOCK, C_BLOCK)
             xhat_g += xhat * g
             g_sum += g
-            mean_ln_d1 += mean_ln[:, None] * d1
-            var_ln_d2 += var_ln[:, None] * d2
-            mean_it_d1 += mean_it * d1
-            var_it_d2 += var_it_t * d2
+            mean_d1 += (mean_ln[:, None] - mean_it) * d1
+            var_d2 += (var_ln[:, None] - var_it_t) * d2
         # dL/dm_second = dL/dvar_it [var_it > 0], dL/dm_first = dL/dmu_it - 2 m_first dL/dm_second
         dm_second = tl.where(var_it > 0, -0.5 * kap_v * d2_cells, 0.0)
         dm_first = -kap_m * d1_cells - 2.0 * first * dm_second
         tl.store(dm_first_ptr + offsets, dm_first, mask=cell_mask)
         tl.store(dm_second_ptr + offsets, dm_second, mask=cell_mask)
     program = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    partial = partial_ptr + program.to(tl.int64) * 6 * C + cols
+    partial = partial_ptr + program.to(tl.int64) * SUM_ROWS * C + cols
     tl.store(partial, _token_sums(xhat_g, CELLS * S_BLOCK, C_BLOCK), mask=cols < C)
     tl.store(partial + C, _token_sums(g_sum, CELLS * S_BLOCK, C_BLOCK), mask=cols < C)
-    tl.store(partial + 2 * C, _token_sums(mean_ln_d1, CELLS * S_BLOCK, C_BLOCK), mask=cols < C)
-    tl.store(partial + 3 * C, _token_sums(var_ln_d2, CELLS * S_BLOCK, C_BLOCK), mask=cols < C)
-    tl.store(partial + 4 * C, _token_sums(mean_it_d1, CELLS * S_BLOCK, C_BLOCK), mask=cols < C)
-    tl.store(partial + 5 * C, _token_sums(var_it_d2, CELLS * S_BLOCK, C_BLOCK), mask=cols < C)
+    tl.store(partial + 2 * C, _token_sums(mean_d1, CELLS * S_BLOCK, C_BLOCK), mask=cols < C)
+    tl.store(partial + 3 * C, _token_sums(var_d2, CELLS * S_BLOCK, C_BLOCK), mask=cols < C)
 
 
 def token_gradients(g, x, centre, m_first, m_second, ratios, weight, eps, n_var, grid):
-    """dL/dm, head-major (heads, 2, B, Hp, Wp, d) float32, and every program's sums (programs, 6,
-    C) for the parameters (see :func:`parameter_gradients`), from g, x, the centre and the
-    products m (as in :func:`output`)."""
+    """dL/dm, head-major (heads, 2, B, Hp, Wp, d) float32, and every program's sums (programs, 4,
+    C) for the parameters (:data:`TIED_SUMS`, :func:`parameter_gradients`), from g, x, the centre
+    and the products m (as in :func:`output`)."""
     B, _, C = x.shape
     dm = torch.empty(grid.head_major, dtype=torch.float32, device=x.device)
     dm_first, dm_second = (grid.from_head_major(t) for t in dm.unbind(1))
     spec = _token_gradients_spec(C, grid.pool)
     programs = (B * grid.Hp, cdiv(grid.Wp, spec[1]['CELLS'] * spec[1]['TILES']))
-    partial = torch.empty(programs[0] * programs[1], 6, C, dtype=torch.float32, device=x.device)
+    partial = torch.empty(programs[0] * programs[1], SUM_ROWS.value, C, dtype=torch.float32,
+                          device=x.device)
     launch('triton.token_gradients', spec, programs,
            [g, x, m_first, m_second, centre, ratios, weight], [dm, partial], x, g, m_first,
            m_second, centre.contiguous(), ratios, weight, dm_first, dm_second, partial, grid.H,
@@ -446,16 +450,16 @@ def token_gradients(g, x, centre, m_first, m_second, ratios, weight, eps, n_var,
 def _parameter_gradients_kernel(partial_ptr, ratios_ptr, weight_ptr, bias_ptr, programs, C,
                                 SUMS: tl.constexpr, BLOCK_P: tl.constexpr,
                                 BLOCK_C: tl.constexpr):
-    """Row ``program_id(1)`` of the programs' sums (programs, 6, C) of xhat g, g, mu_ln D1,
-    var_ln D2, mu_it D1, var_it D2, added up over the programs in a fixed order (BLOCK_P at a
-    time) for the channels of block ``program_id(0)``, times its factor into the gradient that
-    SUMS (:data:`..function.PARAMETER_SUMS`) takes it for: weight, bias or a row of the ratios."""
+    """Row ``program_id(1)`` of the programs' sums (programs, len(SUMS), C), added up over the
+    programs in a fixed order (BLOCK_P at a time) for the channels of block ``program_id(0)``,
+    times its factor into the gradient that SUMS (:data:`TIED_SUMS`) takes it for: the weight,
+    the bias or a row of the ratios'."""
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     row = tl.program_id(1)
     total = tl.zeros([BLOCK_C], tl.float32)
     for start in range(0, programs, BLOCK_P):
         p = start + tl.arange(0, BLOCK_P)
-        at = (p[:, None] * 6 + row).to(tl.int64) * C + c[None, :]
+        at = (p[:, None] * len(SUMS) + row).to(tl.int64) * C + c[None, :]
         mask = (p < programs)[:, None] & (c < C)[None, :]
         total += tl.sum(tl.load(partial_ptr + at, mask=mask, other=0.0), axis=0)
     for gradient in tl.static_range(len(SUMS)):  # weight, bias, then the ratios' rows
@@ -470,11 +474,12 @@ def _parameter_gradients_kernel(partial_ptr, ratios_ptr, weight_ptr, bias_ptr, p
 
 
 def parameter_gradients(partial):
-    """The gradients of the ratios (4, C), weight and bias (C, each its own tensor) from the
-    per-program sums (programs, 6, C) of :func:`token_gradients`: one launch, a program per row
-    and block of channels."""
+    """The gradients of the ratios, weight and bias (C, each its own tensor) from the per-program
+    sums (programs, 4, C) of :data:`TIED_SUMS`: one launch, a program per row and block of
+    channels. The ratios' is (2, C), those of lambda_mean and lambda_var with 1 - lambda tied to
+    lambda (as :func:`.triton_parameters.run_parameters_backward` takes it)."""
     programs, rows, C = partial.shape
-    ratios, weight, bias = (partial.new_empty(shape) for shape in ((4, C), (C, ), (C, )))
+    ratios, weight, bias = (partial.new_empty(shape) for shape in ((2, C), (C, ), (C, )))
     spec = _parameter_gradients_spec()
     launch('triton.parameter_gradients', spec, (cdiv(C, spec[1]['BLOCK_C']), rows), [partial],
            [ratios, weight, bias], partial, ratios, weight, bias, programs, C)
@@ -482,7 +487,7 @@ def parameter_gradients(partial):
 
 
 def _parameter_gradients_spec():
-    return _parameter_gradients_kernel, dict(SUMS=PARAMETER_SUMS, BLOCK_P=256, BLOCK_C=32), 4
+    return _parameter_gradients_kernel, dict(SUMS=TIED_SUMS, BLOCK_P=256, BLOCK_C=32), 4
 
 
 @functools.lru_cache(maxsize=None)

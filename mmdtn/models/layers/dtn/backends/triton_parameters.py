@@ -44,14 +44,15 @@ def _parameters_backward_kernel(shares_ptr, other_shares_ptr, mean_ptr, var_ptr,
                                 other_programs, BLOCK: tl.constexpr, LAYERNORM: tl.constexpr,
                                 CHANNELS: tl.constexpr):
     """Program h: the gradients of a^h (3,), from two tensors of programs' shares (programs,
-    heads, 3) of it, and of head h's two gates, from those of the ratios (4, C)."""
+    heads, 3) of it, and of head h's two gates, from those of the ratios with 1 - lambda tied to
+    lambda (2, C)."""
     h = tl.program_id(0)
     k = tl.arange(0, 4)
     total = (factors._coefficient_shares(shares_ptr, h, programs, BLOCK)
              + factors._coefficient_shares(other_shares_ptr, h, other_programs, BLOCK))
     tl.store(grad_coef_ptr + 3 * h + k, total, mask=k < 3)
     ratios._gate_gradient(mean_ptr, grad_ratios_ptr, grad_mean_ptr, h, C, d, LAYERNORM, CHANNELS)
-    ratios._gate_gradient(var_ptr, grad_ratios_ptr + 2 * C, grad_var_ptr, h, C, d, LAYERNORM,
+    ratios._gate_gradient(var_ptr, grad_ratios_ptr + C, grad_var_ptr, h, C, d, LAYERNORM,
                           CHANNELS)
 
 
@@ -101,8 +102,10 @@ def run_parameters_backward(shares: list[Tensor], mean_gate: Tensor, var_gate: T
                             layernorm: bool) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of a^h (heads, 3), in the gates' dtype, from one or two tensors of the
     programs' ``shares`` (programs, heads, 3) of it (contiguous float32; the fused passes give
-    one, the factors' outer products one each), and of the two gates from that of the ratios
-    (contiguous float32): one launch."""
+    one, the factors' outer products one each), and of the two gates from ``grad_ratios`` (2, C),
+    that of the ratios with 1 - lambda tied to lambda: of lambda_mean and lambda_var, less those
+    of 1 - lambda_mean and 1 - lambda_var (contiguous float32; the gates set each pair
+    together): one launch."""
     if len(shares) not in (1, 2):
         raise ValueError(f'the gradient of a^h is added up from one or two tensors of shares, '
                          f'got {len(shares)}')

@@ -60,13 +60,12 @@ def _gate_ratios(gate_ptr, ratios_ptr, h, C, d, LAYERNORM: tl.constexpr, BLOCK: 
 @triton.jit
 def _gate_gradient(gate_ptr, grad_ptr, out_ptr, h, C, d, LAYERNORM: tl.constexpr,
                    BLOCK: tl.constexpr):
-    """dL/dgate of head h from the gradients (2, C) at ``grad_ptr`` of lambda and 1 - lambda:
-    d lambda / d gate times the sum over the head's channels of their difference."""
+    """dL/dgate of head h from the gradient (C,) at ``grad_ptr`` of lambda with 1 - lambda tied to
+    it (the gradient of lambda less that of 1 - lambda): d lambda / d gate times its sum over the
+    head's channels."""
     _, _, slope = _lambdas(tl.load(gate_ptr + h).to(tl.float32), LAYERNORM)
     total = tl.zeros([BLOCK], tl.float32)
     for start in range(0, d, BLOCK):
         k = start + tl.arange(0, BLOCK)
-        c = h * d + k
-        total += (tl.load(grad_ptr + c, mask=k < d, other=0.0) -
-                  tl.load(grad_ptr + C + c, mask=k < d, other=0.0))
+        total += tl.load(grad_ptr + h * d + k, mask=k < d, other=0.0)
     tl.store(out_ptr + h, (slope * tl.sum(total, axis=0)).to(out_ptr.dtype.element_ty))
