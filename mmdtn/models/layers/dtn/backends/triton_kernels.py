@@ -388,8 +388,13 @@ def _token_gradients_kernel(x_ptr, g_ptr, m_first_ptr, m_second_ptr, centre_ptr,
     x_image, g_image = _image(x_ptr, b, H * W * C), _image(g_ptr, b, H * W * C)
     xhat_g = tl.zeros([CELLS * S_BLOCK, C_BLOCK], tl.float32)
     g_sum = tl.zeros([CELLS * S_BLOCK, C_BLOCK], tl.float32)
-    mean_d1 = tl.zeros([CELLS * S_BLOCK, C_BLOCK], tl.float32)  # (mu_ln - mu_it) D1
-    var_d2 = tl.zeros([CELLS * S_BLOCK, C_BLOCK], tl.float32)  # (var_ln - var_it) D2
+    # mu D1 and var D2 of Eq. 2's statistics and of the inter-token ones, summed apart and
+    # subtracted at the end: summed as differences, sm_86 and sm_89 spilled 24 bytes (C = 96,
+    # pooling 4: Swin-T's stage 1)
+    mean_ln_d1 = tl.zeros([CELLS * S_BLOCK, C_BLOCK], tl.float32)
+    var_ln_d2 = tl.zeros([CELLS * S_BLOCK, C_BLOCK], tl.float32)
+    mean_it_d1 = tl.zeros([CELLS * S_BLOCK, C_BLOCK], tl.float32)
+    var_it_d2 = tl.zeros([CELLS * S_BLOCK, C_BLOCK], tl.float32)
     for tile in range(TILES):
         start = first_cell + tile * CELLS
         offsets, cell_mask = _cell_tile(b, ci, start, Wp, C, d, m_sb, m_srow, m_scol, m_shead,
@@ -413,8 +418,10 @@ def _token_gradients_kernel(x_ptr, g_ptr, m_first_ptr, m_second_ptr, centre_ptr,
             d2_cells += _cell_sums(d2, CELLS, S_BLOCK, C_BLOCK)
             xhat_g += xhat * g
             g_sum += g
-            mean_d1 += (mean_ln[:, None] - mean_it) * d1
-            var_d2 += (var_ln[:, None] - var_it_t) * d2
+            mean_ln_d1 += mean_ln[:, None] * d1
+            var_ln_d2 += var_ln[:, None] * d2
+            mean_it_d1 += mean_it * d1
+            var_it_d2 += var_it_t * d2
         # dL/dm_second = dL/dvar_it [var_it > 0], dL/dm_first = dL/dmu_it - 2 m_first dL/dm_second
         dm_second = tl.where(var_it > 0, -0.5 * kap_v * d2_cells, 0.0)
         dm_first = -kap_m * d1_cells - 2.0 * first * dm_second
@@ -424,8 +431,10 @@ def _token_gradients_kernel(x_ptr, g_ptr, m_first_ptr, m_second_ptr, centre_ptr,
     partial = partial_ptr + program.to(tl.int64) * SUM_ROWS * C + cols
     tl.store(partial, _token_sums(xhat_g, CELLS * S_BLOCK, C_BLOCK), mask=cols < C)
     tl.store(partial + C, _token_sums(g_sum, CELLS * S_BLOCK, C_BLOCK), mask=cols < C)
-    tl.store(partial + 2 * C, _token_sums(mean_d1, CELLS * S_BLOCK, C_BLOCK), mask=cols < C)
-    tl.store(partial + 3 * C, _token_sums(var_d2, CELLS * S_BLOCK, C_BLOCK), mask=cols < C)
+    mean_d1 = _token_sums(mean_ln_d1 - mean_it_d1, CELLS * S_BLOCK, C_BLOCK)
+    var_d2 = _token_sums(var_ln_d2 - var_it_d2, CELLS * S_BLOCK, C_BLOCK)
+    tl.store(partial + 2 * C, mean_d1, mask=cols < C)
+    tl.store(partial + 3 * C, var_d2, mask=cols < C)
 
 
 def token_gradients(g, x, centre, m_first, m_second, ratios, weight, eps, n_var, grid):
