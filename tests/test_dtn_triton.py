@@ -401,8 +401,9 @@ def test_channel_ratios_in_one_launch_equal_the_pytorch_formulation(layernorm, h
 
 
 def test_parameters_backward_takes_one_or_two_tensors_of_shares():
-    """The shares of the gradient of a^h come from the fused passes (one tensor) or the two
-    factors' outer products; any other count is refused before a launch, naming it."""
+    """The shares of the gradient of a^h come from the fused passes or the cell products (one
+    tensor) or the two factors' outer products; any other count is refused before a launch,
+    naming it."""
     shares = [torch.zeros(1, 2, 3, device=DEVICE)] * 3
     gate = torch.zeros(2, device=DEVICE)
     with pytest.raises(ValueError, match='one or two tensors of shares, got 3'):

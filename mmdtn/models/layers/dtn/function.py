@@ -142,13 +142,12 @@ class Saved:
 @dataclass
 class Gradients:
     """Gradients of the loss for every differentiable input of the layer's core. A backend that
-    takes the layer's own parameters (:class:`FormedParameters`) may give, instead of the
-    gradient of the ratios (4, C), that of their two mixtures with 1 - lambda tied to lambda (2,
-    C: the Triton backend), and instead of the gradients of P_y and P_x (then None),
-    ``coefficients``: a list of tensors of shares
-    (programs, heads, 3) of the gradient of a^h, which add up to it (the Triton backend: one from
-    its fused passes, or one from each of its factors, whose ``outer`` contracts the gradient of
-    P with Eq. 6 as it forms it)."""
+    takes the layer's own parameters (:class:`FormedParameters`) may give, instead of the gradient
+    of the ratios (4, C), that of their two mixtures with 1 - lambda tied to lambda (2, C: the
+    Triton backend), and instead of the gradients of P_y and P_x (then None), ``coefficients``: a
+    list of tensors of shares (programs, heads, 3) of the gradient of a^h, which add up to it (the
+    Triton backend: one from its fused passes or its cell products, or one from each of its
+    factors, whose ``outer`` contracts the gradient of P with Eq. 6 as it forms it)."""
 
     x: Tensor
     p_y: Optional[Tensor]

@@ -101,11 +101,11 @@ def run_parameters_backward(shares: list[Tensor], mean_gate: Tensor, var_gate: T
                             grad_ratios: Tensor, d: int,
                             layernorm: bool) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of a^h (heads, 3), in the gates' dtype, from one or two tensors of the
-    programs' ``shares`` (programs, heads, 3) of it (contiguous float32; the fused passes give
-    one, the factors' outer products one each), and of the two gates from ``grad_ratios`` (2, C),
-    that of the ratios with 1 - lambda tied to lambda: of lambda_mean and lambda_var, less those
-    of 1 - lambda_mean and 1 - lambda_var (contiguous float32; the gates set each pair
-    together): one launch."""
+    programs' ``shares`` (programs, heads, 3) of it (contiguous float32; the fused passes and the
+    cell products give one, the factors' outer products one each), and of the two gates from
+    ``grad_ratios`` (2, C), that of the ratios with 1 - lambda tied to lambda: of lambda_mean and
+    lambda_var, less those of 1 - lambda_mean and 1 - lambda_var (contiguous float32; the gates set
+    each pair together): one launch."""
     if len(shares) not in (1, 2):
         raise ValueError(f'the gradient of a^h is added up from one or two tensors of shares, '
                          f'got {len(shares)}')
