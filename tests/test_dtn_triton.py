@@ -20,7 +20,7 @@ from mmdtn import DynamicTokenNorm, set_dtn_backend
 from mmdtn.models.layers.dtn.backends import select_backend
 from mmdtn.models.layers.dtn.backends import triton as triton_backend
 from mmdtn.models.layers.dtn.backends import (
-    triton_band, triton_fused, triton_kernels, triton_parameters)
+    triton_band, triton_cells, triton_fused, triton_kernels, triton_parameters)
 from mmdtn.models.layers.dtn.backends.base import Backend, recording_launches
 from mmdtn.models.layers.dtn.function import TokenMoments
 from mmdtn.models.layers.dtn.gates import channel_ratios
@@ -447,6 +447,35 @@ def contracted(P, G, linear):
     for slot, R in ((0, d * d), (linear, d)):
         out[:, slot] = (P * G * (R - (P * R).sum(-1, keepdim=True))).sum((1, 2))
     return out.float()
+
+
+@pytest.mark.parametrize('B,H,W,pool,heads,d', [
+    (2, 10, 38, 2, 3, 8), (1, 4, 4, 4, 1, 5), (3, 27, 9, 4, 2, 16)])
+def test_cell_products_equal_dense_products(B, H, W, pool, heads, d):
+    """With pooling, the cell products (both factors in one kernel each way) against dense
+    float64 products with P^h = P_y^h (x) P_x^h: m = P^h T, dL/dT = P^hT dL/dm, and the shares of
+    the gradient of a^h, which add up to the contraction of the gradients of P_y^h and P_x^h with
+    Eq. 6's softmax (R = d^2 on both axes, dx and dy); on a grid of one cell, on cell rows of more
+    than one program's cells, and with partial border cells."""
+    torch.manual_seed(H)
+    grid = TokenGrid(B, H, W, heads * d, heads, pool)
+    coef = paper_coefficients(heads) + 0.2 * torch.randn(heads, 3)
+    p_y, p_x = (p.to(DEVICE) for p in axis_factors(coef, grid.Hp, grid.Wp))
+    T, dm = torch.randn(grid.column_major), torch.randn(grid.head_major)
+    m = triton_cells.cell_products(T.to(DEVICE), p_y, p_x, grid).cpu()
+    dT, shares = triton_cells.cell_products_backward(dm.to(DEVICE), T.to(DEVICE), p_y, p_x, grid)
+    P_y, P_x, T64, dm64 = (t.cpu().double() for t in (p_y, p_x, T, dm))
+    cells = T64.permute(0, 2, 3, 4, 1, 5)  # head-major (heads, 2, B, Hp, Wp, d)
+    u = torch.einsum('hws,hkbisc->hkbiwc', P_x, cells)
+    assert torch.allclose(m.double(), torch.einsum('hir,hkbrwc->hkbiwc', P_y, u), atol=1e-5)
+    du = torch.einsum('hir,hkbiwc->hkbrwc', P_y, dm64)
+    expected = torch.einsum('hws,hkbrwc->hkbrsc', P_x, du).permute(0, 4, 1, 2, 3, 5)
+    assert torch.allclose(dT.cpu().double(), expected, atol=1e-5)
+    grad_y = torch.einsum('hkbiwc,hkbrwc->hir', dm64, u)
+    grad_x = torch.einsum('hkbrwc,hkbrsc->hws', du, cells)
+    want = contracted(P_y, grad_y, 2) + contracted(P_x, grad_x, 1)
+    assert shares.shape[1:] == (heads, 3)
+    assert torch.allclose(shares.sum(0).cpu(), want, rtol=1e-5, atol=1e-5 * want.abs().max())
 
 
 @pytest.mark.parametrize('B,H,W,C,heads', [(2, 5, 19, 12, 3), (1, 1, 1, 4, 1), (3, 7, 4, 10, 5)])
