@@ -52,6 +52,7 @@ WAYS = ['fused', 'staged']
 def run_passes(monkeypatch, way):
     """Makes the products run the ``way`` of :data:`WAYS` within a test."""
     monkeypatch.setattr(triton_fused, 'ENABLED', way == 'fused')
+    monkeypatch.setattr(triton_cells, 'ENABLED', True)
 
 
 @pytest.fixture
@@ -267,6 +268,29 @@ def test_traffic_with_pooling(backend_setting, monkeypatch, C, hw, pool, heads, 
         'parameters', 'parameter_gradients', 'parameters_backward')]
     forward, backward = POOLED_LAUNCHES[way]
     assert names == forward[0] + backward[0]
+
+
+def test_cell_products_have_a_switch_of_their_own(triton_dtn, fused_passes, monkeypatch):
+    """``MMDTN_TRITON_CELL_PRODUCTS=0`` (triton_cells.ENABLED) runs the products of the layers
+    with pooling one factor at a time and leaves the passes without pooling fused; the compile
+    report's kernels follow it."""
+    monkeypatch.setattr(triton_cells, 'ENABLED', False)
+    monkeypatch.syspath_prepend(os.path.join(ROOT, 'tools', 'analysis'))
+    from benchmark_norm import TrafficCounter  # looks inside the custom ops on meta tensors
+    for pool, launches in ((2, POOLED_LAUNCHES['staged']), (1, None)):
+        norm = DynamicTokenNorm(16, 2, pool_size=pool).to('meta')
+        x = torch.empty(2, 36, 16, device='meta', requires_grad=True)
+        with TrafficCounter().counting(), recording_launches() as recorded:
+            torch.autograd.grad(norm(x, (6, 6)).sum(), x)
+        names = [k.name for k in recorded if k.name.split('.')[1] not in (
+            'parameters', 'parameter_gradients', 'parameters_backward')]
+        if launches:
+            assert names == launches[0][0] + launches[1][0]
+        else:
+            assert names == ['triton.fused_output', 'triton.fused_token_gradients',
+                             'triton.fused_input_gradient']
+    kernels = {spec[0] for spec in triton_kernels.specializations(64, 2, 4)}
+    assert triton_cells.specializations(16)[0][0] not in kernels
 
 
 def test_traffic_without_pooling(backend_setting, fused_passes):

@@ -26,7 +26,8 @@ or cells of a row per program, warps; rows of P_y^h's band a step, loads in flig
 
 The fastest by the sum over the stages wins and stays in the tables for the kernels tuned after
 it; each kernel's table is printed as soon as it is tuned, and the tables of the modules tuned at
-the end. The products run on chip here even with ``MMDTN_TRITON_FUSED=0``. Usage::
+the end. The products run on chip here even with ``MMDTN_TRITON_FUSED=0`` or
+``MMDTN_TRITON_CELL_PRODUCTS=0``. Usage::
 
     python tools/analysis/tune_fused_tiles.py --device cuda [--stages pvt_tiny:3 swin_t:3] \
         [--kernels token_gradients products]
@@ -181,7 +182,7 @@ def main():
     parser.add_argument('--kernels', nargs='+', choices=list(KERNELS), default=list(KERNELS),
                         help='tune only these kernels (default: all)')
     args = parser.parse_args()
-    triton_fused.ENABLED = True
+    triton_fused.ENABLED = triton_cells.ENABLED = True
     device, arch, header = target(args)
     # the layer runs its GPU's tiles (triton_fused.tiles; in the interpreter TILES, unchecked)
     layout = triton_fused.architecture(device)

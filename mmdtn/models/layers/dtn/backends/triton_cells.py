@@ -21,9 +21,11 @@ m keeps its raw second moment (the passes form the inter-token variance). The ce
 the layouts of :mod:`..function` (T and dL/dT column-major, m and dL/dm head-major; any strides);
 H, W and the strides are runtime arguments (no recompilation per resolution). Heads of up to
 :data:`.triton_fused.MAX_HEAD_CHANNELS` channels (a program holds a head's channels of its tile);
-wider heads, and every layer with ``MMDTN_TRITON_FUSED=0``, run the products one factor at a time.
+wider heads, every layer with ``MMDTN_TRITON_FUSED=0`` and the layers with pooling with
+``MMDTN_TRITON_CELL_PRODUCTS=0`` run the products one factor at a time.
 """
 import functools
+import os
 
 import torch
 import triton
@@ -37,6 +39,11 @@ from .triton_launch import cdiv, launch
 __all__ = ['can_form_products', 'forms_products', 'cell_products', 'cell_products_backward',
            'specializations', 'head_block', 'tiles_table', 'TILES', 'WALKS']
 
+#: Whether layers with pooling form their products here: by default (with
+#: :data:`.triton_fused.ENABLED`); ``MMDTN_TRITON_CELL_PRODUCTS=0`` runs them one factor at a time
+#: (the band products) and leaves the passes without pooling as they are: these kernels have not
+#: yet been timed on a GPU, where the band products have (read at import).
+ENABLED = os.environ.get('MMDTN_TRITON_CELL_PRODUCTS', '1') != '0'
 #: (cells of a cell row per program, warps) by kernel and head width (channels, padded to 16, 32
 #: or 64: :func:`head_block`); the cells are the rows of P_x in one tl.dot (at least 16). Chosen as
 #: the fused token-gradient pass's tiles (:data:`.triton_fused.TILES`), a program of which holds
@@ -63,8 +70,9 @@ def can_form_products(pool, d):
 
 def forms_products(pool, d):
     """Whether such a layer's products are formed here: where they can be, unless
-    ``MMDTN_TRITON_FUSED=0`` (:data:`.triton_fused.ENABLED`)."""
-    return fused.ENABLED and can_form_products(pool, d)
+    ``MMDTN_TRITON_FUSED=0`` (:data:`.triton_fused.ENABLED`) or ``MMDTN_TRITON_CELL_PRODUCTS=0``
+    (:data:`ENABLED`)."""
+    return fused.ENABLED and ENABLED and can_form_products(pool, d)
 
 
 @triton.jit

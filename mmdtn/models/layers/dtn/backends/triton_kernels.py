@@ -585,11 +585,13 @@ def specializations(C, pool, heads, square_of_pooled=False, fused=None, arch=Non
     """The compiled kernels one DTN layer of C channels in ``heads`` heads and pooling ``pool``
     launches, forward and backward, as (kernel, constexprs, num_warps): what a GPU of compute
     capability ``arch`` compiles for it (the tokens' dtype aside). The image size is not part of
-    it. With ``fused`` (default: :data:`.triton_fused.ENABLED`) the products are formed on chip
-    where the heads allow: without pooling in the fused passes (:mod:`.triton_fused`, whose tiles
-    depend on ``arch``), with pooling on the cell grid (:mod:`.triton_cells`); otherwise the band
-    products (:func:`.triton_band.specializations`) run between these passes."""
+    it. With ``fused`` (default: the settings, :data:`.triton_fused.ENABLED` and
+    :data:`.triton_cells.ENABLED`) the products are formed on chip where the heads allow: without
+    pooling in the fused passes (:mod:`.triton_fused`, whose tiles depend on ``arch``), with
+    pooling on the cell grid (:mod:`.triton_cells`); otherwise the band products
+    (:func:`.triton_band.specializations`) run between these passes."""
     from . import triton_cells, triton_fused  # which import this module's pieces of Eqs. 4-5
+    cells = triton_fused.ENABLED and triton_cells.ENABLED if fused is None else fused
     fused = triton_fused.ENABLED if fused is None else fused
     if fused and triton_fused.can_fuse(pool, C // heads):
         return [*triton_fused.specializations(C // heads, arch), _parameter_gradients_spec()]
@@ -597,6 +599,6 @@ def specializations(C, pool, heads, square_of_pooled=False, fused=None, arch=Non
               _input_gradient_spec(C, pool, pool == 1 or not square_of_pooled)]
     if pool > 1:  # T of the tokens: no moments pass without pooling
         passes.insert(0, _moments_spec(C, pool, square_of_pooled))
-    if fused and triton_cells.can_form_products(pool, C // heads):
+    if cells and triton_cells.can_form_products(pool, C // heads):
         passes += triton_cells.specializations(C // heads)
     return passes
