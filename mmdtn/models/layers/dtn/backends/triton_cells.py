@@ -4,9 +4,10 @@ both factors of P^h in one pass, in Triton (Shao et al., ICLR 2022).
 With pooling the Triton backend's passes over the tokens read and write per cell T (the cell
 moments about the centre) and m, and backward dL/dm and dL/dT, float32 tensors of two moments per
 cell and channel (:mod:`.triton_kernels`). Between them the products ran one factor at a time
-(:mod:`.triton_band`): u = P_x T written and read back, and kept for backward, where the gradients
-of P_y and P_x took one launch each and dL/du was written and read back again: 4 T-sized tensors
-moved forward and 8 backward, in 2 and 4 launches. Here a program forms m at a tile of cells of
+(:mod:`.triton_band`): u = P_x T written and read back, and kept for backward (now formed there
+again), where the gradients of P_y and P_x took one launch each and dL/du was written and read
+back again: 4 T-sized tensors moved forward and 8 backward (10 with u formed again), in 2 and 4
+(5) launches. Here a program forms m at a tile of cells of
 one cell row from the band of T about them on chip, as the fused passes without pooling form it
 from the tokens (:func:`.triton_fused._products`: P_y's row, then a ``tl.dot`` with P_x's rows),
 and u is never formed:
