@@ -1,14 +1,14 @@
 """Compile DynamicTokenNorm's Triton kernels ahead of time for NVIDIA GPUs, without a GPU, and
 report registers, spills and shared memory per kernel.
 
-Every kernel specialisation that the DTN layers of the given backbones launch (forward and
-backward; without pooling the fused passes and the staged ones, ``MMDTN_TRITON_FUSED=0``; the
-tokens' dtypes given; both statistics conventions with ``--reference-compat``) is
-compiled by Triton's own compiler for each ``--arch`` (``triton.compile`` with a ``GPUTarget``,
-then NVIDIA's ``ptxas``, both shipped with triton). The resource use comes from the cubin
-(``cuobjdump --dump-resource-usage``: registers, shared memory, the stack frame, where spills
-live) and ``ptxas``'s spill report; a kernel is within limits with neither spills nor a stack
-frame and its shared memory within the architecture's limit. The image sizes (default
+Every kernel specialisation that the DTN layers of the given backbones launch (forward and backward;
+the products on chip, fused without pooling and on the cell grid with pooling, and one factor at a
+time, ``MMDTN_TRITON_FUSED=0``; the tokens' dtypes given; both statistics conventions with
+``--reference-compat``) is compiled by Triton's own compiler for each ``--arch`` (``triton.compile``
+with a ``GPUTarget``, then NVIDIA's ``ptxas``, both shipped with triton). The resource use comes
+from the cubin (``cuobjdump --dump-resource-usage``: registers, shared memory, the stack frame,
+where spills live) and ``ptxas``'s spill report; a kernel is within limits with neither spills nor a
+stack frame and its shared memory within the architecture's limit. The image sizes (default
 800 x 1344 and mmseg's 512 x 512) are checked to add no specialisation: H and W are runtime
 arguments of every kernel.
 

@@ -11,13 +11,14 @@ read, y written), and backward the token gradients (g and x read, dL/dm of the c
 the input gradient (g and x read, dx written). Between them the positional products run on the cell
 grid in float32, both factors in one kernel each way (:mod:`.triton_cells`: T read and m written;
 backward dL/dT and the shares of the gradient of a^h); for heads wider than 64 channels, or with
-``MMDTN_TRITON_FUSED=0``, one axis at a time (:mod:`..function`) over the nonzero band of each
-factor (:mod:`.triton_band`). Without pooling the passes are fused instead, the products formed on
-chip (:mod:`.triton_fused`; heads of up to 64 channels): forward one kernel (x read once, y written
-once), backward two (dL/dm, then dx), whose programs contract their shares of the gradients of P_y
-and P_x with Eq. 6's softmax into the gradient of a^h. Where the staged passes run without pooling,
-backward never stores T (x - centre and its square, four times the bytes of 16-bit tokens): the
-products with P_x form it from the tokens where they read it (:class:`..function.TokenMoments`).
+``MMDTN_TRITON_FUSED=0`` or ``MMDTN_TRITON_CELL_PRODUCTS=0``, one axis at a time (:mod:`..function`)
+over the nonzero band of each factor (:mod:`.triton_band`). Without pooling the passes are fused
+instead, the products formed on chip (:mod:`.triton_fused`; heads of up to 64 channels): forward one
+kernel (x read once, y written once), backward two (dL/dm, then dx), whose programs contract their
+shares of the gradients of P_y and P_x with Eq. 6's softmax into the gradient of a^h. Where the
+staged passes run without pooling, backward never stores T (x - centre and its square, four times
+the bytes of 16-bit tokens): the products with P_x form it from the tokens where they read it
+(:class:`..function.TokenMoments`).
 
 A layer is one ``torch.library`` custom op each way, ``mmdtn::dtn_triton_forward`` and
 ``mmdtn::dtn_triton_backward``, which ``torch.compile`` and ``torch.export`` record as single
