@@ -226,6 +226,21 @@ def traffic_on_meta(C, hw, pool, heads):
 #: (not kept), the two transposed products and the two outer products (which read two each and
 #: store nothing: the gradients of the factors are contracted into shares of that of a^h as they
 #: are formed).
+#: The parameters' kernels, which every layer launches: left out of :func:`pass_launches`.
+PARAMETER_KERNELS = {'triton.parameters', 'triton.parameter_gradients',
+                     'triton.parameters_backward'}
+
+
+def pass_launches(norm, x, hw):
+    """The Triton kernels a layer on meta tensors records, forward then backward, but
+    :data:`PARAMETER_KERNELS`."""
+    sys.path.insert(0, os.path.join(ROOT, 'tools', 'analysis'))
+    from benchmark_norm import TrafficCounter  # looks inside the custom ops on meta tensors
+    with TrafficCounter().counting(), recording_launches() as recorded:
+        torch.autograd.grad(norm(x, hw).sum(), x)
+    return [k.name for k in recorded if k.name not in PARAMETER_KERNELS]
+
+
 POOLED_LAUNCHES = {
     'fused': ((['triton.moments', 'triton.cell_products', 'triton.output'], 2),
               (['triton.token_gradients', 'triton.cell_products_backward',
@@ -253,21 +268,14 @@ def test_traffic_with_pooling(backend_setting, monkeypatch, C, hw, pool, heads, 
     moments = 2 * C * 4 / pool**2  # T per token: two float32 values per cell and channel
     for count, bound, (launches, products) in zip(counts, bounds, POOLED_LAUNCHES[way]):
         names = [launches[0], launches[-1]]  # the passes over the tokens
-        assert set(launches) == set(count.by_kernel) - {'triton.parameters',
-                                                        'triton.parameter_gradients',
-                                                        'triton.parameters_backward', 'torch'}
+        assert set(launches) == set(count.by_kernel) - PARAMETER_KERNELS - {'torch'}
         over_tokens = sum(count.by_kernel[k] for k in names) / tokens
         assert bound <= over_tokens <= 1.03 * bound, (count.by_kernel, bound)
         beyond = count.bytes / tokens - over_tokens
         assert products * moments < beyond <= (products + 0.5) * moments, count.by_kernel
-    from benchmark_norm import TrafficCounter  # looks inside the custom ops on meta tensors
     norm = DynamicTokenNorm(C, heads, pool_size=pool).to('meta')
-    with TrafficCounter().counting(), recording_launches() as recorded:
-        torch.autograd.grad(norm(x, hw).sum(), x)
-    names = [k.name for k in recorded if k.name.split('.')[1] not in (
-        'parameters', 'parameter_gradients', 'parameters_backward')]
     forward, backward = POOLED_LAUNCHES[way]
-    assert names == forward[0] + backward[0]
+    assert pass_launches(norm, x, hw) == forward[0] + backward[0]
 
 
 def test_cell_products_have_a_switch_of_their_own(triton_dtn, fused_passes, monkeypatch):
@@ -275,15 +283,10 @@ def test_cell_products_have_a_switch_of_their_own(triton_dtn, fused_passes, monk
     with pooling one factor at a time and leaves the passes without pooling fused; the compile
     report's kernels follow it."""
     monkeypatch.setattr(triton_cells, 'ENABLED', False)
-    monkeypatch.syspath_prepend(os.path.join(ROOT, 'tools', 'analysis'))
-    from benchmark_norm import TrafficCounter  # looks inside the custom ops on meta tensors
     for pool, launches in ((2, POOLED_LAUNCHES['staged']), (1, None)):
         norm = DynamicTokenNorm(16, 2, pool_size=pool).to('meta')
         x = torch.empty(2, 36, 16, device='meta', requires_grad=True)
-        with TrafficCounter().counting(), recording_launches() as recorded:
-            torch.autograd.grad(norm(x, (6, 6)).sum(), x)
-        names = [k.name for k in recorded if k.name.split('.')[1] not in (
-            'parameters', 'parameter_gradients', 'parameters_backward')]
+        names = pass_launches(norm, x, (6, 6))
         if launches:
             assert names == launches[0][0] + launches[1][0]
         else:

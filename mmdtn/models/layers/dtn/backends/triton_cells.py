@@ -34,7 +34,7 @@ import triton.language as tl
 
 from . import triton_fused as fused
 from .triton_band import SPAN_BLOCK
-from .triton_kernels import _layout
+from .triton_kernels import _image, _layout
 from .triton_launch import cdiv, launch
 
 __all__ = ['can_form_products', 'forms_products', 'cell_products', 'cell_products_backward',
@@ -76,12 +76,6 @@ def forms_products(pool, d):
     return fused.ENABLED and ENABLED and can_form_products(pool, d)
 
 
-@triton.jit
-def _cell_tile(ptr, head, b, s_head, s_b):
-    """The start of head ``head``'s cells of image b in a cell tensor of the given strides."""
-    return ptr + head.to(tl.int64) * s_head + b.to(tl.int64) * s_b
-
-
 @triton.jit(do_not_specialize=['Hp', 'Wp', 'd', 't_shead', 't_sb', 't_srow', 't_scol',
                                't_plane', 'm_shead', 'm_sb', 'm_srow', 'm_scol', 'm_plane'])
 def _products_kernel(t_ptr, p_y_ptr, p_x_ptr, m_ptr, Hp, Wp, d, t_shead, t_sb, t_srow, t_scol,
@@ -96,11 +90,11 @@ def _products_kernel(t_ptr, p_y_ptr, p_x_ptr, m_ptr, Hp, Wp, d, t_shead, t_sb, t
     real = c < d
     p_y, p_x = fused._factors(p_y_ptr, p_x_ptr, head, Hp, Wp)
     bands = fused._bands(p_y, p_x, i, w, Hp, Wp, False, SPAN_BLOCK)
-    t_cells = _cell_tile(t_ptr, head, b, t_shead, t_sb)
+    t_cells = _image(_image(t_ptr, head, t_shead), b, t_sb)
     first, second = fused._products(t_cells, t_plane, t_cells, 0, 0.0, p_y, p_x, bands, i, w, Hp,
                                     Wp, t_srow, t_scol, c, real, False, False, BAND, D_BLOCK,
                                     UNROLL, STAGES)
-    m_cells = _cell_tile(m_ptr, head, b, m_shead, m_sb)
+    m_cells = _image(_image(m_ptr, head, m_shead), b, m_sb)
     offsets = i * m_srow + w[:, None] * m_scol + c[None, :]
     mask = (w < Wp)[:, None] & real[None, :]
     tl.store(m_cells + offsets, first, mask=mask)
@@ -154,13 +148,13 @@ def _products_backward_kernel(t_ptr, dm_ptr, p_y_ptr, p_x_ptr, dt_ptr, coef_ptr,
     real = c < d
     mask = (w < Wp)[:, None] & real[None, :]
     p_y, p_x = fused._factors(p_y_ptr, p_x_ptr, head, Hp, Wp)
-    dm_cells = _cell_tile(dm_ptr, head, b, m_shead, m_sb)
-    t_cells = _cell_tile(t_ptr, head, b, t_shead, t_sb)
+    dm_cells = _image(_image(dm_ptr, head, m_shead), b, m_sb)
+    t_cells = _image(_image(t_ptr, head, t_shead), b, t_sb)
     transposed = fused._bands(p_y, p_x, i, w, Hp, Wp, True, SPAN_BLOCK)
     dt_first, dt_second = fused._products(dm_cells, m_plane, dm_cells, 0, 0.0, p_y, p_x,
                                           transposed, i, w, Hp, Wp, m_srow, m_scol, c, real,
                                           False, True, BAND, D_BLOCK, UNROLL, STAGES)
-    dt_cells = _cell_tile(dt_ptr, head, b, t_shead, t_sb)
+    dt_cells = _image(_image(dt_ptr, head, t_shead), b, t_sb)
     offsets = i * t_srow + w[:, None] * t_scol + c[None, :]
     tl.store(dt_cells + offsets, dt_first, mask=mask)
     tl.store(dt_cells + t_plane + offsets, dt_second, mask=mask)

@@ -591,14 +591,18 @@ def specializations(C, pool, heads, square_of_pooled=False, fused=None, arch=Non
     pooling on the cell grid (:mod:`.triton_cells`); otherwise the band products
     (:func:`.triton_band.specializations`) run between these passes."""
     from . import triton_cells, triton_fused  # which import this module's pieces of Eqs. 4-5
-    cells = triton_fused.ENABLED and triton_cells.ENABLED if fused is None else fused
-    fused = triton_fused.ENABLED if fused is None else fused
-    if fused and triton_fused.can_fuse(pool, C // heads):
-        return [*triton_fused.specializations(C // heads, arch), _parameter_gradients_spec()]
+    d = C // heads
+    if fused is None:
+        fused, cells = triton_fused.fuses(pool, d), triton_cells.forms_products(pool, d)
+    else:
+        fused, cells = (fused and triton_fused.can_fuse(pool, d),
+                        fused and triton_cells.can_form_products(pool, d))
+    if fused:
+        return [*triton_fused.specializations(d, arch), _parameter_gradients_spec()]
     passes = [_output_spec(C, pool), _token_gradients_spec(C, pool), _parameter_gradients_spec(),
               _input_gradient_spec(C, pool, pool == 1 or not square_of_pooled)]
     if pool > 1:  # T of the tokens: no moments pass without pooling
         passes.insert(0, _moments_spec(C, pool, square_of_pooled))
-    if cells and triton_cells.can_form_products(pool, C // heads):
-        passes += triton_cells.specializations(C // heads)
+    if cells:
+        passes += triton_cells.specializations(d)
     return passes
