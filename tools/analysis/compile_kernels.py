@@ -12,12 +12,20 @@ stack frame and its shared memory within the architecture's limit. The image siz
 800 x 1344 and mmseg's 512 x 512) are checked to add no specialisation: H and W are runtime
 arguments of every kernel.
 
+What is compiled is checked against what runs: before compiling, a layer of every kind the models
+have runs forward and backward on meta tensors at each grid they see (in every dtype given, both
+ways of forming the products), its launches recorded with their arguments, and Triton's own
+argument binder (the one a launch on a GPU runs) must give each the signature and attributes of
+a specialisation compiled here (:func:`check_launches`); otherwise the tool stops, naming it.
+
 Usage::
 
     python tools/analysis/compile_kernels.py --arch 80 90 [--models pvt_tiny pvtv2_b0 swin_t]
         [--dtypes float16 bfloat16 float32] [--json]
 """
 import argparse
+import contextlib
+import functools
 import json
 import os
 import re
@@ -31,11 +39,13 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
-from triton.compiler import ASTSource
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
 
 import mmdtn  # noqa: F401
 from mmdtn import DynamicTokenNorm
 from mmdtn.models.layers.dtn.backends import triton_band, triton_fused, triton_parameters
+from mmdtn.models.layers.dtn.backends.base import recording_launches
 from mmdtn.models.layers.dtn.backends.triton_kernels import TOKEN_POINTERS, specializations
 
 MODELS = {
@@ -59,8 +69,9 @@ LIMITS = {80: dict(registers=255, shared_bytes=163 * 1024),
 
 
 def dtn_layers(model, sizes):
-    """{(C, pool, heads)} of the DTN layers of backbone ``model``; a forward pass on
-    meta tensors at every size records the grids they see (and checks that every size runs)."""
+    """{(C, pool, heads)} of the DTN layers of backbone ``model`` and {(C, pool, heads, (H, W))},
+    the grids they see: a forward pass on meta tensors at every size records them (and checks that
+    every size runs)."""
     from mmdet.registry import MODELS as REGISTRY
     from mmengine.registry import init_default_scope
     init_default_scope('mmdet')
@@ -69,7 +80,8 @@ def dtn_layers(model, sizes):
     layers, grids = set(), set()
 
     def record(module, args):
-        grids.add((module.num_features, tuple(int(v) for v in args[1])))
+        grids.add((module.num_features, module.pool_size, module.num_heads,
+                   tuple(int(v) for v in args[1])))
 
     for m in backbone.modules():
         if isinstance(m, DynamicTokenNorm):
@@ -96,7 +108,11 @@ def pointer_type(name, dtype):
 
 
 def signature(kernel, constexprs, dtype):
-    """Triton's signature of ``kernel``: pointer and scalar types, 'constexpr' for constexprs."""
+    """Triton's signature of ``kernel``: pointer and scalar types, 'constexpr' for constexprs.
+    The band products of float32 matrices (constexpr TOKENS false) read no tokens: their tokens'
+    pointer is one of the matrices."""
+    if constexprs.get('TOKENS') is False:
+        dtype = 'float32'
     sig = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -108,20 +124,112 @@ def signature(kernel, constexprs, dtype):
     return sig
 
 
-def attributes(kernel, constexprs):
-    """What Triton specialises ``kernel`` on at the launches of the models' layers: every pointer
-    aligned to 16 bytes (as PyTorch allocates) and each of :data:`CHANNEL_ARGUMENTS` that it
-    specialises (not in its ``do_not_specialize``) a multiple of 16, as C and d are in every layer
-    of the models here. With them Triton reads 8 or 16 bytes of tokens at a time; a launch with
-    other values compiles a variant of its own."""
+def attributes(kernel, constexprs, channels):
+    """What Triton specialises ``kernel`` on at a launch of a layer whose :data:`CHANNEL_ARGUMENTS`
+    have the values ``channels`` (a dict; empty for the kernels of no layer's channels): every
+    pointer aligned to 16 bytes (as PyTorch allocates), and each channel argument that it
+    specialises (not in its ``do_not_specialize``) where it is a multiple of 16, as C and d are in
+    every layer of PVT-Tiny and Swin-T (not d in PVTv2-b0's first stage, heads of 8 channels).
+    With them Triton reads 8 or 16 bytes of tokens at a time. :func:`check_launches` checks this
+    against Triton's own binder."""
     attrs = {}
     for index, param in enumerate(kernel.params):
         if param.name in constexprs:
             continue
         if param.name.endswith('_ptr') or (param.name in CHANNEL_ARGUMENTS
-                                           and not param.do_not_specialize):
+                                           and not param.do_not_specialize
+                                           and channels.get(param.name, 1) % 16 == 0):
             attrs[(index, )] = [['tt.divisibility', 16]]
     return attrs
+
+
+def divisible(kernel, attrs):
+    """The integer arguments that ``attrs`` specialise as multiples of 16, by name."""
+    return tuple(sorted(kernel.arg_names[i] for (i, ) in attrs
+                        if not kernel.arg_names[i].endswith('_ptr')))
+
+
+def job_key(kernel, constexprs, warps, dtype, attrs):
+    """What tells one compilation from another: the kernel's name, its constexprs, warps, the
+    tokens' dtype and the integer arguments specialised as multiples of 16."""
+    return (kernel.fn.__name__, tuple(sorted(constexprs.items())), warps, dtype,
+            divisible(kernel, attrs))
+
+
+@contextlib.contextmanager
+def products_on_chip(on_chip):
+    """The layers' positional products formed on chip where they can be (the default) or, with
+    ``on_chip`` false, one factor at a time, as ``MMDTN_TRITON_FUSED=0`` sets it."""
+    enabled = triton_fused.ENABLED
+    triton_fused.ENABLED = on_chip
+    try:
+        yield
+    finally:
+        triton_fused.ENABLED = enabled
+
+
+def layer_launches(grids, conventions, dtypes):
+    """(launch, dtype) for every compiled kernel that a DTN layer of each (C, pool, heads, (H, W))
+    of ``grids`` launches, forward and backward, on meta tensors of batch 2 and each dtype: for
+    each statistics convention (``reference_compat``), with the products on chip and one factor at
+    a time. Each launch (:class:`~mmdtn.models.layers.dtn.backends.base.KernelLaunch`) keeps its
+    kernel, constexprs, warps and arguments."""
+    from benchmark_norm import TrafficCounter  # runs the custom ops' insides on meta tensors
+    for C, pool, heads, (H, W) in sorted(grids):
+        for compat in conventions:
+            layer = DynamicTokenNorm(C, heads, pool, reference_compat=compat).to('meta')
+            for dtype in dtypes:
+                x = torch.empty(2, H * W, C, device='meta', dtype=getattr(torch, dtype),
+                                requires_grad=True)
+                for on_chip in (True, False):
+                    with products_on_chip(on_chip), TrafficCounter(), \
+                            recording_launches() as launches:
+                        torch.autograd.grad(layer(x, (H, W)).sum(), x)
+                    yield from ((launch, dtype) for launch in launches)
+
+
+@functools.lru_cache(maxsize=None)
+def binder(kernel, arch):
+    """Triton's own argument binder of ``kernel`` for sm_<arch>: what a launch on that GPU runs to
+    find the signature and specialisation of its arguments (``JITFunction.run``)."""
+    backend = make_backend(GPUTarget('cuda', arch, 32))
+    return backend, create_function_from_signature(kernel.signature, kernel.params, backend)
+
+
+def bound(kernel, constexprs, args, arch=90):
+    """Triton's signature and attributes (:func:`attributes`' form) of ``kernel`` launched with
+    ``args`` and ``constexprs`` on sm_<arch>."""
+    backend, bind = binder(kernel, arch)
+    bound_args, specialization, options = bind(*args, **constexprs)
+    _, sig, _, attrs = kernel._pack_args(backend, dict(constexprs), bound_args, specialization,
+                                         options)
+    return sig, {path: value for path, value in attrs.items() if value}
+
+
+def check_launches(launches, jobs):
+    """That every launch of the layers (:func:`layer_launches`) runs a specialisation compiled
+    here: the signature and attributes that Triton's binder gives its arguments are those of
+    :func:`signature` and :func:`attributes` for one of ``jobs`` (:func:`architecture_jobs`, with
+    the tiles of no particular architecture) with its kernel, constexprs, warps and dtype. Returns
+    the keys of ``jobs`` launched; exits naming the first launch that differs."""
+    launched = set()
+    for launch, dtype in launches:
+        kernel, constexprs, warps, args = launch.call
+        sig, attrs = bound(kernel, constexprs, args)
+        key = job_key(kernel, constexprs, warps, dtype, attrs)
+        values = dict(zip(kernel.arg_names, args))
+        if key not in jobs:
+            sys.exit(f'{launch.name} launches {key} (C, d = {values.get("C")}, '
+                     f'{values.get("d")}), which compile_kernels.py does not compile')
+        own_sig, own_attrs = signature(kernel, constexprs, dtype), jobs[key][4]
+        names = [kernel.arg_names[i] for (i, ) in set(attrs) ^ set(own_attrs)]
+        names += [name for name in sig if sig[name] != own_sig.get(name)]
+        if names:
+            sys.exit(f'{launch.name} ({key}): Triton binds {names} of its launch otherwise than '
+                     f'compile_kernels.py compiles them: signature {sig}, attributes {attrs}; '
+                     f'compiled with {own_sig}, {own_attrs}')
+        launched.add(key)
+    return launched
 
 
 def nvidia_tool(name):
@@ -159,29 +267,32 @@ def resources(compiled, arch):
     return registers, spills, shared, stack
 
 
-def compile_for(kernel, constexprs, warps, dtype, arch):
+def compile_for(kernel, constexprs, warps, dtype, attrs, arch):
     """Registers, spilled bytes, shared memory and stack frame (:func:`resources`) of ``kernel``
-    with ``constexprs`` and ``warps`` compiled for sm_<arch>, for tokens of ``dtype``."""
+    with ``constexprs``, ``warps`` and attributes ``attrs`` (:func:`attributes`) compiled for
+    sm_<arch>, for tokens of ``dtype``."""
     source = ASTSource(fn=kernel, signature=signature(kernel, constexprs, dtype),
-                       constexprs=constexprs, attrs=attributes(kernel, constexprs))
+                       constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget('cuda', arch, 32),
                               options=dict(num_warps=warps))
     return resources(compiled, arch)
 
 
 def architecture_jobs(layers, conventions, dtypes, arch):
-    """{(kernel name, constexprs, warps, dtype): (kernel, constexprs, warps, dtype)}: every
-    specialisation the DTN ``layers`` (C, pool, heads) launch on compute capability ``arch``, once
-    each."""
-    specs = [spec for C, pool, heads in sorted(layers) for square in conventions
+    """{:func:`job_key`: (kernel, constexprs, warps, dtype, attributes)}: every specialisation the
+    DTN ``layers`` (C, pool, heads) launch on compute capability ``arch``, once each."""
+    specs = [(spec, dict(C=C, d=C // heads)) for C, pool, heads in sorted(layers)
+             for square in conventions
              for fused in (False, True)  # the staged passes and, where they run, the fused ones
              for spec in specializations(C, pool, heads, square, fused, arch)]
-    specs += triton_parameters.specializations() + triton_band.specializations()
+    specs += [(spec, {}) for spec in (triton_parameters.specializations()
+                                      + triton_band.specializations())]
     jobs = {}
-    for kernel, constexprs, warps in specs:
+    for (kernel, constexprs, warps), channels in specs:
+        attrs = attributes(kernel, constexprs, channels)
         for dtype in dtypes:
-            key = (kernel.fn.__name__, tuple(sorted(constexprs.items())), warps, dtype)
-            jobs[key] = (kernel, constexprs, warps, dtype)
+            jobs[job_key(kernel, constexprs, warps, dtype, attrs)] = (kernel, constexprs, warps,
+                                                                      dtype, attrs)
     return jobs
 
 
@@ -207,15 +318,20 @@ def main():
         layers |= model_layers
         grids[model] = sorted(model_grids)
     conventions = [False, True] if args.reference_compat else [False]
+    everywhere = architecture_jobs(layers, conventions, args.dtypes, None)
+    launched = check_launches(
+        tqdm(layer_launches(set().union(*grids.values()), conventions, args.dtypes),
+             desc='launches', disable=args.json), everywhere)
     rows = []
     for arch in args.arch:
         jobs = architecture_jobs(layers, conventions, args.dtypes, arch)
-        for (name, _, warps, dtype), (kernel, constexprs, _, _) in tqdm(
+        for (name, _, warps, dtype, multiples), (kernel, constexprs, _, _, attrs) in tqdm(
                 sorted(jobs.items()), desc=f'sm_{arch}', disable=args.json):
             registers, spills, shared, stack = compile_for(kernel, constexprs, warps, dtype,
-                                                           arch)
+                                                           attrs, arch)
             rows.append(dict(kernel=name, arch=arch, dtype=dtype, num_warps=warps,
-                             constexprs=constexprs, registers=registers, spills=spills,
+                             constexprs=constexprs, multiples_of_16=list(multiples),
+                             registers=registers, spills=spills,
                              shared_bytes=shared, stack_bytes=stack,
                              within_limits=(spills == stack == 0
                                             and shared <= LIMITS[arch]['shared_bytes']
@@ -223,16 +339,19 @@ def main():
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    print(f'\nDTN layers (C, pool): {sorted(layers)}')
+    print(f'\nDTN layers (C, pool, heads): {sorted(layers)}')
     for model, model_grids in grids.items():
-        print(f'  {model} grids at {args.sizes}: {model_grids}')
+        print(f'  {model} grids (C, pool, heads, (H, W)) at {args.sizes}: {model_grids}')
+    print(f'Launched by these layers on meta tensors (forward and backward, the products on chip '
+          f'and one factor at a time): {len(launched)} of the {len(everywhere)} specialisations '
+          "of any architecture's tiles, each bound by Triton's own binder as compiled here")
     head = (f"{'kernel':<34}{'arch':>5}{'dtype':>10}{'warps':>6}{'regs':>6}{'spills':>8}"
-            f"{'stack':>7}{'shared':>8}  constexprs")
+            f"{'stack':>7}{'shared':>8}  multiples of 16, constexprs")
     print('\n' + head + '\n' + '-' * len(head))
     for r in rows:
         print(f"{r['kernel']:<34}{r['arch']:>5}{r['dtype']:>10}{r['num_warps']:>6}"
               f"{r['registers']:>6}{r['spills']:>8}{r['stack_bytes']:>7}{r['shared_bytes']:>8}  "
-              f"{r['constexprs']}")
+              f"{','.join(r['multiples_of_16']) or '-'} {r['constexprs']}")
     bad = [r for r in rows if r['within_limits'] is False]
     print(f'\n{len(rows)} compilations, {len(jobs)} specialisations per arch; '
           f'{len(bad)} with spills or over the shared-memory limit')

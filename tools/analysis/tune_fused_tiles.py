@@ -78,9 +78,11 @@ def set_candidate(kernel, d_block, arch, candidate):
 
 def spills(kernel, d, arch, dtype):
     """Bytes spilled by ``kernel`` for heads of d channels with the tables as they are, compiled
-    for sm_<arch>, tokens of ``dtype`` (its name, e.g. 'float16'; :func:`.tuning.spilled_bytes`)."""
+    for sm_<arch>, tokens of ``dtype`` (its name, e.g. 'float16'; :func:`.tuning.spilled_bytes`),
+    specialised on C and d as a layer of such heads is (C, a multiple of d, is a multiple of 16
+    where d is)."""
     home, index = KERNELS[kernel]
-    return spilled_bytes(home.specializations(d, arch)[index], dtype, arch)
+    return spilled_bytes(home.specializations(d, arch)[index], dtype, arch, dict(C=d, d=d))
 
 
 def spilling(kernels, widths, arch, dtype):

@@ -4,7 +4,7 @@ rows of each tuned table, and the choice of the fastest candidate."""
 import torch
 
 from benchmark_norm import DTYPES, add_stages_argument
-from compile_kernels import compile_for
+from compile_kernels import attributes, compile_for
 from mmdtn.models.layers.dtn.backends.triton import interpreting
 
 
@@ -34,14 +34,18 @@ def target(args):
     return device, arch, f'{name} ({checked})'
 
 
-def spilled_bytes(spec, dtype, arch):
+def spilled_bytes(spec, dtype, arch, channels=None):
     """Bytes spilled by ``spec`` = (kernel, constexprs, num_warps) compiled for sm_<arch>, tokens
-    of ``dtype`` (its name): ptxas's report, or the stack frame of Triton's cubin where that is
-    larger (:func:`.compile_kernels.resources`); None in Triton's interpreter, whose kernels do
-    not compile."""
+    of ``dtype`` (its name), for a layer of C and d as in ``channels`` (a dict; none for the band
+    products, which do not specialise on them; :func:`.compile_kernels.attributes`): ptxas's
+    report, or the stack frame of Triton's cubin where that is larger
+    (:func:`.compile_kernels.resources`); None in Triton's interpreter, whose kernels do not
+    compile."""
     if interpreting():
         return None
-    _, spills, _, stack = compile_for(*spec, dtype, arch)
+    kernel, constexprs, warps = spec
+    _, spills, _, stack = compile_for(kernel, constexprs, warps, dtype,
+                                      attributes(kernel, constexprs, channels or {}), arch)
     return max(spills, stack)
 
 

@@ -191,12 +191,15 @@ def per_head(grads, heads):
 
 # ---------------------------------------------------------------------------- launch records
 class KernelLaunch:
-    """One launch of a compiled kernel: its name and the bytes it reads and writes."""
+    """One launch of a compiled kernel: its name, the bytes it reads and writes and, where its
+    tensors are meta tensors (recorded, never launched), ``call``: (kernel, constexprs,
+    num_warps, args), from which Triton's own binder tells what it would compile
+    (``compile_kernels.py``); None otherwise, so that no record keeps a real tensor alive."""
 
-    __slots__ = ('name', 'read', 'written')
+    __slots__ = ('name', 'read', 'written', 'call')
 
-    def __init__(self, name, read, written):
-        self.name, self.read, self.written = name, read, written
+    def __init__(self, name, read, written, call=None):
+        self.name, self.read, self.written, self.call = name, read, written, call
 
 
 _records = []  # the lists that recording_launches is filling, innermost last
@@ -219,10 +222,11 @@ def recording():
     return bool(_records)
 
 
-def record_launch(name, read, written):
-    """Notes a launch of ``name`` reading and writing the given numbers of bytes, if recording."""
+def record_launch(name, read, written, call=None):
+    """Notes a launch of ``name`` reading and writing the given numbers of bytes (and its ``call``
+    on meta tensors, :class:`KernelLaunch`), if recording."""
     if _records:
-        _records[-1].append(KernelLaunch(name, read, written))
+        _records[-1].append(KernelLaunch(name, read, written, call))
 
 
 def tensor_bytes(values):

@@ -153,12 +153,14 @@ def _band_matmul_kernel(p_ptr, in_ptr, x_ptr, centre_ptr, out_ptr, L, N, group, 
 def _operand(x):
     """A product's right operand x: float32 (matrices, L, N) contiguous, or the T of a
     TokenMoments. Returns its shape, whether it is T formed from tokens, the tensors it reads, and
-    the kernels' arguments for it: in_ptr, x_ptr, centre_ptr and the sizes B, H, C, d."""
+    the kernels' arguments for it: in_ptr, x_ptr, centre_ptr and the sizes B, H, C, d. The
+    pointer a kernel does not read is another operand of its type: a kernel of the tokens is
+    compiled once per dtype of the tokens, one of matrices once."""
     if isinstance(x, TokenMoments):
         grid = x.grid
         shape = (grid.heads, grid.W, 2 * grid.B * grid.H * grid.d)
         centre = x.centre.contiguous()
-        return shape, True, [x.x, centre], (x.x, x.x, centre), (grid.B, grid.H, grid.C, grid.d)
+        return shape, True, [x.x, centre], (centre, x.x, centre), (grid.B, grid.H, grid.C, grid.d)
     x = x.contiguous()
     return x.shape, False, [x], (x, x, x), (1, 1, 1, 1)
 

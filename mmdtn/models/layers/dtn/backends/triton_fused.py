@@ -45,13 +45,14 @@ cache (``kernel_loads.py`` counts those reads). Heads wider than MAX_HEAD_CHANNE
 staged passes (:func:`fuses`).
 
 H and W are runtime arguments (no recompilation per resolution). Specialised on the channel count
-C and the head width d (multiples of 16 in every layer of PVT and Swin), Triton reads and writes
-the tokens 8 or 16 bytes at a time instead of 2: the input gradient is (with the four sums of
-:data:`.triton_kernels.TIED_SUMS` it compiles without spills on sm_80 to sm_120; with six it
-spilled 80-252 bytes on sm_80 and sm_90), the output and the token gradients are not, since with
-their tiles they spilled (``compile_kernels.py``: the output 8-56 bytes on sm_86 to sm_120, the
-token gradients 52-80 on sm_80 for float32 tokens). On sm_90 the token gradients took 159
-registers instead of 219 for heads of 64 channels: with tiles tuned for it on a GPU, a lead.
+C and the head width d (multiples of 16 in every layer without pooling of the models here),
+Triton reads and writes the tokens 8 or 16 bytes at a time instead of 2: the input gradient is
+(with the four sums of :data:`.triton_kernels.TIED_SUMS` it compiles without spills on sm_80 to
+sm_120; with six it spilled 80-252 bytes on sm_80 and sm_90), the output and the token gradients
+are not, since with their tiles they spilled (``compile_kernels.py``: the output 8-56 bytes on
+sm_86 to sm_120, the token gradients 52-80 on sm_80 for float32 tokens). On sm_90 the token
+gradients took 159 registers instead of 219 for heads of 64 channels: with tiles tuned for it on
+a GPU, a lead.
 (:mod:`.triton_kernels` specialises its moments, token-gradient and input-gradient passes on C
 and d.)
 """

@@ -80,8 +80,9 @@ SUM_ROWS = tl.constexpr(len(TIED_SUMS))
 TOKEN_POINTERS = ('x_ptr', 'g_ptr', 'y_ptr', 'dx_ptr')
 #: Runtime integers that change with the resolution: never specialised (no recompilation). The
 #: channel count C and head width d are not among them: Triton specialises them (a multiple of
-#: 16, as in every layer of PVT and Swin, lets it read 8 or 16 bytes of tokens at a time instead
-#: of 2), once per layer; except in the output kernel (:data:`_SIZES_AND_CHANNELS`). On sm_120
+#: 16, as in every layer of PVT-Tiny and Swin-T and all but PVTv2-b0's first stage, whose heads
+#: have 8 channels, lets it read 8 or 16 bytes of tokens at a time instead of 2), once per layer;
+#: except in the output kernel (:data:`_SIZES_AND_CHANNELS`). On sm_120
 #: the token gradients keep an 8-byte stack frame specialised (none without; no spills).
 _SIZES = ['H', 'W', 'm_sb', 'm_srow', 'm_scol', 'm_shead', 't_sb', 't_srow', 't_scol',
           't_shead']

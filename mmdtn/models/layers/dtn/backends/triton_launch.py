@@ -16,8 +16,9 @@ loaded once per device). Any argument that differs from a cached launch's is a n
 binds through Triton again, so a cached kernel never runs arguments it was not compiled for.
 
 In Triton's interpreter (``TRITON_INTERPRET=1``) every launch binds: there are no compiled
-kernels. With meta tensors a launch is only recorded (:func:`.base.record_launch`), which gives
-the traffic of any shape without a GPU.
+kernels. With meta tensors a launch is only recorded (:func:`.base.record_launch`), with its
+arguments, which gives the traffic of any shape without a GPU and what Triton would compile for
+it (``compile_kernels.py`` checks its own specialisations against those).
 """
 import torch
 
@@ -74,9 +75,10 @@ def launch(name, spec, grid, reads, writes, *args):
     current device is switched where it differs: Triton launches on the current one), elsewhere
     (the interpreter) through Triton's binding."""
     kernel, constexprs, num_warps = spec
-    if recording():
-        record_launch(name, tensor_bytes(reads), tensor_bytes(writes))
     device = reads[0].device
+    if recording():
+        record_launch(name, tensor_bytes(reads), tensor_bytes(writes),
+                      (*spec, args) if device.type == 'meta' else None)
     if device.type == 'cuda':
         if device.index == torch.cuda.current_device():
             _compiled_launches(kernel, constexprs, num_warps, grid, args, device.index)
