@@ -2,11 +2,11 @@
 each operand, as ``MATMUL_TILES`` and ``OUTER_TILES`` of
 ``mmdtn/models/layers/dtn/backends/triton_band.py``.
 
-The tiles there were chosen with this tool on an H200 (README, "DTN on GPUs"). On another GPU, run
-it and put the printed tables in their place. The band products run where a layer's products go
-one factor at a time: with ``MMDTN_TRITON_FUSED=0``, or for heads wider than 64 channels; by
-default the layers of PVT and Swin form them on chip (``triton_fused.py`` without pooling,
-``triton_cells.py`` with pooling, whose tiles ``tune_fused_tiles.py`` tunes).
+The tiles there were chosen with this tool on an H200 (docs/gpu.md, "Measured on an H200"). On
+another GPU, run it and put the printed tables in their place. The band products run where a layer's
+products go one factor at a time: with ``MMDTN_TRITON_FUSED=0``, or for heads wider than 64
+channels; by default the layers of PVT and Swin form them on chip (``triton_fused.py`` without
+pooling, ``triton_cells.py`` with pooling, whose tiles ``tune_fused_tiles.py`` tunes).
 
 For every operand (``matrices``: P X, ``transposed``: P^T X, ``tokens``: P_x T read from the tokens,
 and the outer products of both kinds), each candidate is:

@@ -3,12 +3,12 @@ on a GPU and print the fastest for each kernel and head width: the fused passes 
 as ``TILES``, ``WALKS`` and ``ARCH_TILES`` of ``mmdtn/models/layers/dtn/backends/triton_fused.py``,
 and the products on the cell grid with pooling, as ``TILES`` and ``WALKS`` of ``triton_cells.py``.
 
-The fused passes' tables were chosen on an H200 (README, "Measured on an H200"; the cell products'
-have not been timed); ``ARCH_TILES`` replaces tiles that another architecture's compiler spills.
-On another GPU, run this tool and put the printed tables in their place (``tune_band_tiles.py``
-does the same for the band products, which run one factor at a time). A candidate is written
-where the GPU's layer reads it: into ``ARCH_TILES`` for the kernels and widths it has for the
-GPU's architecture, else into ``TILES``.
+The fused passes' tables were chosen on an H200 (docs/gpu.md, "Measured on an H200"; the cell
+products' have not been timed); ``ARCH_TILES`` replaces tiles that another architecture's compiler
+spills. On another GPU, run this tool and put the printed tables in their place
+(``tune_band_tiles.py`` does the same for the band products, which run one factor at a time). A
+candidate is written where the GPU's layer reads it: into ``ARCH_TILES`` for the kernels and widths
+it has for the GPU's architecture, else into ``TILES``.
 
 For every kernel (the fused output, token gradients and input gradient; the cell products and
 their backward) and head width (channels per head, padded to 32 or 64, and for the cell products

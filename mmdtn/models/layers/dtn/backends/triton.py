@@ -26,8 +26,8 @@ operations, and in eager calls one autograd node. It takes the layer's own param
 (:class:`.triton_parameters.KernelParameters`): forward forms the positional factors P_y and P_x
 from the coefficients a^h and the per-channel ratios from the gates in one launch, and backward
 turns their gradients into those of a^h and the gates in one launch. On a GPU at batch 2 a layer
-waits for the host to launch its kernels (README, "DTN on GPUs"): every launch and autograd node
-costs host time.
+waits for the host to launch its kernels (docs/gpu.md, "Measured on an H200"): every launch and
+autograd node costs host time.
 """
 import os
 

@@ -26,8 +26,8 @@ d = j - i: every program gives its share of it, three numbers, which the paramet
 kernel adds up in a fixed order (:mod:`.triton_parameters`; no float atomics). Stored, G took L x L
 values per chunk and matrix, written and then summed by PyTorch.
 
-Measured on an H200 (README, "DTN on GPUs"): ``tl.dot`` took band_matmul to 0.68-0.72x the time of a
-column-at-a-time loop, but band_outer to 1.25-1.65x, so band_outer keeps the loop.
+Measured on an H200 (docs/gpu.md, "Measured on an H200"): ``tl.dot`` took band_matmul to 0.68-0.72x
+the time of a column-at-a-time loop, but band_outer to 1.25-1.65x, so band_outer keeps the loop.
 
 Matrix k of X, A and the results uses P[k // group]. Everything is float32, except that without
 pooling X = T (x - centre and its square, four times the bytes of 16-bit tokens) is not stored:

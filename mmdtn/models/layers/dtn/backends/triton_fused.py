@@ -84,7 +84,7 @@ EXPONENT_POINTERS = ('exponent_ptr',)
 #: Whether the positional products are formed on chip, both factors at once: without pooling in
 #: the fused passes here, with pooling on the cell grid (:mod:`.triton_cells`); by default.
 #: ``MMDTN_TRITON_FUSED=0`` runs the staged passes, the products one factor at a time (read at
-#: import). On an H200 (README, "Measured on an H200"; float16 tokens, batch
+#: import). On an H200 (docs/gpu.md, "Measured on an H200"; float16 tokens, batch
 #: 2, PVT-Tiny's and Swin-T's stages 3 and 4) the fused passes took 1.04-1.62x the staged ones' GPU
 #: time but 0.48-0.52x their host time (7 launches and operations a call instead of 15), and a
 #: call, which at batch 2 waits for the host, 0.58-0.72x the time; and a third of the memory.
@@ -94,7 +94,7 @@ ENABLED = os.environ.get('MMDTN_TRITON_FUSED', '1') != '0'
 #: 16 bytes or more with every tile tried. Wider heads run the staged passes.
 MAX_HEAD_CHANNELS = 64
 #: (tokens of a token row per program, warps) by kernel and head width (channels, padded to 32 or
-#: 64), timed on an H200 (README, "Measured on an H200"; on another GPU, run
+#: 64), timed on an H200 (docs/gpu.md, "Measured on an H200"; on another GPU, run
 #: ``tools/analysis/tune_fused_tiles.py`` and put its tables here and in :data:`WALKS`): of the
 #: variants of 16 or 32 tokens and 2, 4 or 8 warps, these took the least GPU time at PVT-Tiny's and
 #: Swin-T's stages 3 and 4 without spilling on sm_90 (``compile_kernels.py``). For heads of 64
@@ -127,13 +127,13 @@ ARCH_TILES = {
 #: kernel and head width as :data:`TILES`: (rows unrolled per step, loads in flight), Triton's
 #: ``loop_unroll_factor`` and ``num_stages`` of the loop. A step reads a tile of BAND token columns
 #: of one band row and adds it in with P_y's weight; (1, 1) walks the rows one after the other.
-#: Timed on an H200 (README, "Measured on an H200"; float16 tokens, batch 2, PVT-Tiny's and
-#: Swin-T's stages 3 and 4): two rows a step took the backward kernels' GPU time down by 4-6%
-#: (token gradients) and 14-16% (input gradient), but the output's up by 10-49%; loads in flight
-#: (2 or 3, through shared memory) took every kernel's up. Four rows a step spill on sm_90 in the
-#: input gradient and, for heads of 64 channels, in the token gradients. Reading a step's rows in
-#: one load instead ([rows, BAND, D_BLOCK], summed over the rows) was fastest with one row a step
-#: and then took 6-12% more time than these walks at the same stages (README, "The latest run").
+#: Timed on an H200 (docs/gpu.md, "Measured on an H200"; float16 tokens, batch 2, PVT-Tiny's and
+#: Swin-T's stages 3 and 4): two rows a step took the backward kernels' GPU time down by 4-6% (token
+#: gradients) and 14-16% (input gradient), but the output's up by 10-49%; loads in flight (2 or 3,
+#: through shared memory) took every kernel's up. Four rows a step spill on sm_90 in the input
+#: gradient and, for heads of 64 channels, in the token gradients. Reading a step's rows in one load
+#: instead ([rows, BAND, D_BLOCK], summed over the rows) was fastest with one row a step and then
+#: took 6-12% more time than these walks at the same stages (docs/gpu.md, "The latest run").
 WALKS = {
     'output': {32: (1, 1), 64: (1, 1)},
     'token_gradients': {32: (2, 1), 64: (2, 1)},

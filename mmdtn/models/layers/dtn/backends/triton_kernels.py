@@ -30,10 +30,10 @@ nonzero band of each (:mod:`..function`, :mod:`.triton_band`); their cell tensor
 and the passes form the inter-token variance from m's raw second moment. An earlier design formed
 the products on chip inside these passes, over the band of every tile of 2 to 4 tokens or cells: it
 moved fewer bytes but took 7x LayerNorm's time on an H200 at pooling 4 and 150-400x without pooling
-(README, "DTN on GPUs"), each program walking the band of every cell it held at up to 250 registers
-a thread. Without pooling the passes now run fused in another way, a token row and all channels per
-program, the products as row sums and matrix products (:mod:`.triton_fused`); the passes here run
-with pooling, and without it for heads too wide for the fused kernels.
+(docs/gpu.md, "How a layer runs"), each program walking the band of every cell it held at up to 250
+registers a thread. Without pooling the passes now run fused in another way, a token row and all
+channels per program, the products as row sums and matrix products (:mod:`.triton_fused`); the
+passes here run with pooling, and without it for heads too wide for the fused kernels.
 
 Every launch goes through :func:`.triton_launch.launch`, which records it with the bytes of its
 operands (with meta tensors it is only recorded: the traffic of any shape without a GPU) and, on

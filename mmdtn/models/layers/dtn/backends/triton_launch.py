@@ -1,12 +1,12 @@
 """Launching the Triton backend's kernels with little host time.
 
-At batch 2 a DynamicTokenNorm layer on a GPU waits for the host (README, "DTN on GPUs"), and a
-launch through ``kernel[grid](...)`` spends much of its host time in Triton's argument binding:
-the type and specialisation of every argument, the cache key, the compiled kernel's lookup (on
-an H200 node 16 us a launch of a 6-argument kernel against 9-10 us through its compiled kernel;
+At batch 2 a DynamicTokenNorm layer on a GPU waits for the host (docs/gpu.md, "Measured on an
+H200"), and a launch through ``kernel[grid](...)`` spends much of its host time in Triton's argument
+binding: the type and specialisation of every argument, the cache key, the compiled kernel's lookup
+(on an H200 node 16 us a launch of a 6-argument kernel against 9-10 us through its compiled kernel;
 the backend's kernels take up to 30 arguments). A launch here does that once for each
-:func:`launch_key` and then calls the compiled kernel itself (``CompiledKernel[grid]``), which
-takes the current device's stream and Triton's launch hooks as the binding path does.
+:func:`launch_key` and then calls the compiled kernel itself (``CompiledKernel[grid]``), which takes
+the current device's stream and Triton's launch hooks as the binding path does.
 
 The key holds more than Triton specialises a kernel on, never less: for every tensor its dtype
 and whether its address is a multiple of 16 bytes (Triton's alignment specialisation), every

@@ -4,9 +4,9 @@ and one backward: the positional factors P_y^h, P_x^h from the coefficients a^h 
 :mod:`.triton_ratios`); backward, the gradients of a^h from the shares of it that the layer's
 programs give, and those of the gates.
 
-At batch 2 a layer on a GPU waits for the host to launch its kernels (README, "DTN on GPUs"), so
-the two run in one kernel each way, a program per head and block of factor rows, plus one per
-head for its ratios; backward, a program per head adds up the shares of the gradient of its a^h
+At batch 2 a layer on a GPU waits for the host to launch its kernels (docs/gpu.md, "Measured on an
+H200"), so the two run in one kernel each way, a program per head and block of factor rows, plus one
+per head for its ratios; backward, a program per head adds up the shares of the gradient of its a^h
 and forms those of its two gates (sums in a fixed order: deterministic). :class:`KernelParameters`
 runs them inside the Triton backend's layer op.
 """

@@ -3,8 +3,8 @@ gates: the parts of :mod:`.triton_parameters`' kernels that handle them.
 
 Written in PyTorch (:func:`..gates.channel_ratios`) they take five operations forward and six
 backward on a few values each, every one a launch, and on a GPU at batch 2 a layer waits for the
-host to launch its kernels (README, "DTN on GPUs"). Here a program forms the four ratios
-(lambda_m, 1 - lambda_m, lambda_v, 1 - lambda_v) of a head's channels from its gates,
+host to launch its kernels (docs/gpu.md, "Measured on an H200"). Here a program forms the four
+ratios (lambda_m, 1 - lambda_m, lambda_v, 1 - lambda_v) of a head's channels from its gates,
 
     init='paper'      lambda = sigmoid(g), 1 - lambda = sigmoid(-g)     (g: the logit)
     init='layernorm'  1 - lambda = tanh|u|, lambda = 1 - tanh|u|       (u: the distance from LN)
