@@ -157,23 +157,25 @@ def job_key(kernel, constexprs, warps, dtype, attrs):
 
 
 @contextlib.contextmanager
-def products_on_chip(on_chip):
-    """The layers' positional products formed on chip where they can be (the default) or, with
-    ``on_chip`` false, one factor at a time, as ``MMDTN_TRITON_FUSED=0`` sets it."""
-    enabled = triton_fused.ENABLED
-    triton_fused.ENABLED = on_chip
+def launching_as(on_chip, arch):
+    """The layers' launches as on a GPU of compute capability ``arch`` (None: the tiles of no
+    particular architecture), with the positional products formed on chip where they can be
+    (``on_chip``, the default) or one factor at a time, as ``MMDTN_TRITON_FUSED=0`` sets it."""
+    enabled, architecture = triton_fused.ENABLED, triton_fused.architecture
+    triton_fused.ENABLED, triton_fused.architecture = on_chip, lambda device: arch
     try:
         yield
     finally:
-        triton_fused.ENABLED = enabled
+        triton_fused.ENABLED, triton_fused.architecture = enabled, architecture
 
 
-def layer_launches(grids, conventions, dtypes):
+def layer_launches(grids, conventions, dtypes, arch=None):
     """(launch, dtype) for every compiled kernel that a DTN layer of each (C, pool, heads, (H, W))
-    of ``grids`` launches, forward and backward, on meta tensors of batch 2 and each dtype: for
-    each statistics convention (``reference_compat``), with the products on chip and one factor at
-    a time. Each launch (:class:`~mmdtn.models.layers.dtn.backends.base.KernelLaunch`) keeps its
-    kernel, constexprs, warps and arguments."""
+    of ``grids`` launches on a GPU of compute capability ``arch`` (:func:`launching_as`), forward
+    and backward, on meta tensors of batch 2 and each dtype: for each statistics convention
+    (``reference_compat``), with the products on chip and one factor at a time. Each launch
+    (:class:`~mmdtn.models.layers.dtn.backends.base.KernelLaunch`) keeps its kernel, constexprs,
+    warps and arguments."""
     from benchmark_norm import TrafficCounter  # runs the custom ops' insides on meta tensors
     for C, pool, heads, (H, W) in sorted(grids):
         for compat in conventions:
@@ -182,7 +184,7 @@ def layer_launches(grids, conventions, dtypes):
                 x = torch.empty(2, H * W, C, device='meta', dtype=getattr(torch, dtype),
                                 requires_grad=True)
                 for on_chip in (True, False):
-                    with products_on_chip(on_chip), TrafficCounter(), \
+                    with launching_as(on_chip, arch), TrafficCounter(), \
                             recording_launches() as launches:
                         torch.autograd.grad(layer(x, (H, W)).sum(), x)
                     yield from ((launch, dtype) for launch in launches)
@@ -209,8 +211,8 @@ def bound(kernel, constexprs, args, arch=90):
 def check_launches(launches, jobs):
     """That every launch of the layers (:func:`layer_launches`) runs a specialisation compiled
     here: the signature and attributes that Triton's binder gives its arguments are those of
-    :func:`signature` and :func:`attributes` for one of ``jobs`` (:func:`architecture_jobs`, with
-    the tiles of no particular architecture) with its kernel, constexprs, warps and dtype. Returns
+    :func:`signature` and :func:`attributes` for one of ``jobs`` (:func:`architecture_jobs` of the
+    architecture the layers launched as) with its kernel, constexprs, warps and dtype. Returns
     the keys of ``jobs`` launched; exits naming the first launch that differs."""
     launched = set()
     for launch, dtype in launches:
@@ -318,13 +320,12 @@ def main():
         layers |= model_layers
         grids[model] = sorted(model_grids)
     conventions = [False, True] if args.reference_compat else [False]
-    everywhere = architecture_jobs(layers, conventions, args.dtypes, None)
-    launched = check_launches(
-        tqdm(layer_launches(set().union(*grids.values()), conventions, args.dtypes),
-             desc='launches', disable=args.json), everywhere)
-    rows = []
+    rows, launched = [], {}
     for arch in args.arch:
         jobs = architecture_jobs(layers, conventions, args.dtypes, arch)
+        launched[arch] = len(jobs), check_launches(
+            tqdm(layer_launches(set().union(*grids.values()), conventions, args.dtypes, arch),
+                 desc=f'launches on sm_{arch}', disable=args.json), jobs)
         for (name, _, warps, dtype, multiples), (kernel, constexprs, _, _, attrs) in tqdm(
                 sorted(jobs.items()), desc=f'sm_{arch}', disable=args.json):
             registers, spills, shared, stack = compile_for(kernel, constexprs, warps, dtype,
@@ -342,9 +343,10 @@ def main():
     print(f'\nDTN layers (C, pool, heads): {sorted(layers)}')
     for model, model_grids in grids.items():
         print(f'  {model} grids (C, pool, heads, (H, W)) at {args.sizes}: {model_grids}')
-    print(f'Launched by these layers on meta tensors (forward and backward, the products on chip '
-          f'and one factor at a time): {len(launched)} of the {len(everywhere)} specialisations '
-          "of any architecture's tiles, each bound by Triton's own binder as compiled here")
+    for arch, (compiled, keys) in launched.items():
+        print(f'Launched by these layers as on sm_{arch} (on meta tensors, forward and backward, '
+              f'the products on chip and one factor at a time): {len(keys)} of the '
+              f'{compiled} specialisations compiled, each bound by Triton as compiled here')
     head = (f"{'kernel':<34}{'arch':>5}{'dtype':>10}{'warps':>6}{'regs':>6}{'spills':>8}"
             f"{'stack':>7}{'shared':>8}  multiples of 16, constexprs")
     print('\n' + head + '\n' + '-' * len(head))
