@@ -26,6 +26,7 @@ Usage::
 import argparse
 import contextlib
 import functools
+import itertools
 import json
 import os
 import re
@@ -44,6 +45,7 @@ from triton.runtime.jit import create_function_from_signature
 
 import mmdtn  # noqa: F401
 from mmdtn import DynamicTokenNorm
+from mmdtn.models.layers.dtn.module import DTN_INITS
 from mmdtn.models.layers.dtn.backends import triton_band, triton_fused, triton_parameters
 from mmdtn.models.layers.dtn.backends.base import recording_launches
 from mmdtn.models.layers.dtn.backends.triton_kernels import TOKEN_POINTERS, specializations
@@ -173,13 +175,14 @@ def layer_launches(grids, conventions, dtypes, arch=None):
     """(launch, dtype) for every compiled kernel that a DTN layer of each (C, pool, heads, (H, W))
     of ``grids`` launches on a GPU of compute capability ``arch`` (:func:`launching_as`), forward
     and backward, on meta tensors of batch 2 and each dtype: for each statistics convention
-    (``reference_compat``), with the products on chip and one factor at a time. Each launch
+    (``reference_compat``) and initialisation of the gates (``init``), with the products on chip
+    and one factor at a time. Each launch
     (:class:`~mmdtn.models.layers.dtn.backends.base.KernelLaunch`) keeps its kernel, constexprs,
     warps and arguments."""
     from benchmark_norm import TrafficCounter  # runs the custom ops' insides on meta tensors
     for C, pool, heads, (H, W) in sorted(grids):
-        for compat in conventions:
-            layer = DynamicTokenNorm(C, heads, pool, reference_compat=compat).to('meta')
+        for compat, init in itertools.product(conventions, DTN_INITS):
+            layer = DynamicTokenNorm(C, heads, pool, init=init, reference_compat=compat).to('meta')
             for dtype in dtypes:
                 x = torch.empty(2, H * W, C, device='meta', dtype=getattr(torch, dtype),
                                 requires_grad=True)
@@ -345,8 +348,9 @@ def main():
         print(f'  {model} grids (C, pool, heads, (H, W)) at {args.sizes}: {model_grids}')
     for arch, (compiled, keys) in launched.items():
         print(f'Launched by these layers as on sm_{arch} (on meta tensors, forward and backward, '
-              f'the products on chip and one factor at a time): {len(keys)} of the '
-              f'{compiled} specialisations compiled, each bound by Triton as compiled here')
+              f'both gate initialisations, the products on chip and one factor at a time): '
+              f'{len(keys)} of the {compiled} specialisations compiled, each bound by Triton as '
+              'compiled here')
     head = (f"{'kernel':<34}{'arch':>5}{'dtype':>10}{'warps':>6}{'regs':>6}{'spills':>8}"
             f"{'stack':>7}{'shared':>8}  multiples of 16, constexprs")
     print('\n' + head + '\n' + '-' * len(head))
