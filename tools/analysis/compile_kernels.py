@@ -201,7 +201,7 @@ def binder(kernel, arch):
     return backend, create_function_from_signature(kernel.signature, kernel.params, backend)
 
 
-def bound(kernel, constexprs, args, arch=90):
+def bound(kernel, constexprs, args, arch):
     """Triton's signature and attributes (:func:`attributes`' form) of ``kernel`` launched with
     ``args`` and ``constexprs`` on sm_<arch>."""
     backend, bind = binder(kernel, arch)
@@ -211,19 +211,19 @@ def bound(kernel, constexprs, args, arch=90):
     return sig, {path: value for path, value in attrs.items() if value}
 
 
-def check_launches(launches, jobs):
+def check_launches(launches, jobs, arch=90):
     """That every launch of the layers (:func:`layer_launches`) runs a specialisation compiled
-    here: the signature and attributes that Triton's binder gives its arguments are those of
-    :func:`signature` and :func:`attributes` for one of ``jobs`` (:func:`architecture_jobs` of the
-    architecture the layers launched as) with its kernel, constexprs, warps and dtype. Returns
-    the keys of ``jobs`` launched; exits naming the first launch that differs."""
+    here: the signature and attributes that Triton's binder for sm_<arch> gives its arguments are
+    those of :func:`signature` and :func:`attributes` for one of ``jobs`` (:func:`architecture_jobs`
+    of the architecture the layers launched as) with its kernel, constexprs, warps and dtype.
+    Returns the keys of ``jobs`` launched; exits naming the first launch that differs."""
     launched = set()
     for launch, dtype in launches:
         kernel, constexprs, warps, args = launch.call
-        sig, attrs = bound(kernel, constexprs, args)
+        sig, attrs = bound(kernel, constexprs, args, arch)
         key = job_key(kernel, constexprs, warps, dtype, attrs)
-        values = dict(zip(kernel.arg_names, args))
         if key not in jobs:
+            values = dict(zip(kernel.arg_names, args))
             sys.exit(f'{launch.name} launches {key} (C, d = {values.get("C")}, '
                      f'{values.get("d")}), which compile_kernels.py does not compile')
         own_sig, own_attrs = signature(kernel, constexprs, dtype), jobs[key][4]
@@ -328,7 +328,7 @@ def main():
         jobs = architecture_jobs(layers, conventions, args.dtypes, arch)
         launched[arch] = len(jobs), check_launches(
             tqdm(layer_launches(set().union(*grids.values()), conventions, args.dtypes, arch),
-                 desc=f'launches on sm_{arch}', disable=args.json), jobs)
+                 desc=f'launches on sm_{arch}', disable=args.json), jobs, arch)
         for (name, _, warps, dtype, multiples), (kernel, constexprs, _, _, attrs) in tqdm(
                 sorted(jobs.items()), desc=f'sm_{arch}', disable=args.json):
             registers, spills, shared, stack = compile_for(kernel, constexprs, warps, dtype,
