@@ -7,10 +7,10 @@ cell and channel (:mod:`.triton_kernels`). Between them the products ran one fac
 (:mod:`.triton_band`): u = P_x T written and read back, and kept for backward (now formed there
 again), where the gradients of P_y and P_x took one launch each and dL/du was written and read
 back again: 4 T-sized tensors moved forward and 8 backward (10 with u formed again), in 2 and 4
-(5) launches. Here a program forms m at a tile of cells of
-one cell row from the band of T about them on chip, as the fused passes without pooling form it
-from the tokens (:func:`.triton_fused._products`: P_y's row, then a ``tl.dot`` with P_x's rows),
-and u is never formed:
+(5) launches. Here a program forms m at a tile of cells of one cell row from the band of T about
+them on chip, as the fused passes without pooling form it from the tokens
+(:func:`.triton_fused._products`: P_y's row, then a ``tl.dot`` with P_x's rows), and u is never
+formed:
 
     products            m = P^h T: T read, m written (one launch)
     products backward   dL/dT = P^hT dL/dm by the same products with the factors transposed, and
