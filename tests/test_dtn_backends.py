@@ -324,11 +324,14 @@ def test_kernels_table_of_the_layer_benchmark(backend_setting, capsys):
     assert selected_stages(parser, ['swin_t:3', 'pvt_tiny:1']) == [STAGES[0], STAGES[6]]
     with pytest.raises(SystemExit):
         selected_stages(parser, ['pvt_tiny:9'])
-    args = argparse.Namespace(stages=[('tiny', 1, 16, 8, 12, 2, 2)], batch=2, dtype='float32',
+    # without pooling on 32 x 48 tokens the products with dense factors take about 15% of the
+    # layer's CPU time, first of its operations (on 8 x 12 with pooling 2, about 2.5%: ranked
+    # among the shown ones or not by the noise of a shared CPU)
+    args = argparse.Namespace(stages=[('tiny', 1, 16, 32, 48, 1, 2)], batch=2, dtype='float32',
                               warmup=1)
     kernels_table(args, torch.device('cpu'), ['torch'], progress=mock.Mock())
     out = capsys.readouterr().out
-    assert 'tiny s1 8x12x16 p2, LN:' in out and 'tiny s1 8x12x16 p2, DTN torch:' in out
+    assert 'tiny s1 32x48x16 p1, LN:' in out and 'tiny s1 32x48x16 p1, DTN torch:' in out
     assert 'aten::native_layer_norm' in out and 'aten::bmm' in out and '%  x' in out
     kernels_table(args, torch.device('cpu'), ['torch'], progress=mock.Mock(), host=True)
     out = capsys.readouterr().out
