@@ -337,20 +337,27 @@ def test_kernel_loads_counts_what_the_interpreted_kernels_load(backend_setting, 
     for: the moments pass with pooling loads every token once (and the centre once per program);
     the fused forward pass without pooling loads the tokens of a token row three times (Eq. 2 in
     two passes, then the output) and every token row of the band once per token row: where the
-    band covers the grid, H + 3 times x."""
+    band covers the grid, H + 3 times x. It counts their float operations: the fused forward's
+    tl.dot, P_x's weights of a program's tokens times the band's sums of a head, is 2 TOKENS BAND
+    D_BLOCK FLOPs per moment, band step, head and program, whatever its masks leave."""
     if not triton_backend.interpreting():
         pytest.skip('the loads are counted in Triton\'s interpreter (TRITON_INTERPRET=1)')
     sys.path.insert(0, os.path.join(ROOT, 'tools', 'analysis'))
     from kernel_loads import count
     H, W, C = 6, 9, 8
     x_bytes = H * W * C * 4
-    operands, loads = count(C, 2, 2, H, W, torch.float32)['forward']['triton.moments']
+    moments = count(C, 2, 2, H, W, torch.float32)['forward']['triton.moments']
     programs = 3  # one per cell row: a tile of 32 cells of 2 x 2 tokens covers its 5 cells
-    assert loads == x_bytes + programs * C * 4 and operands > x_bytes  # + T written
-    operands, loads = count(C, 2, 1, H, W, torch.float32)['forward']['triton.fused_output']
-    assert (H + 3) * x_bytes <= loads < (H + 3) * x_bytes + H * 2 * 1024  # + P, centre, ratios
+    assert moments.loaded == x_bytes + programs * C * 4 and moments.operands > x_bytes  # + T
+    assert moments.dot_flops == 0 < moments.flops
+    fused = count(C, 2, 1, H, W, torch.float32)['forward']['triton.fused_output']
+    assert (H + 3) * x_bytes <= fused.loaded < (H + 3) * x_bytes + H * 2 * 1024  # + P, centre...
     # x read, y written; the factors, the centre, the ratios, the weight and the bias read
-    assert operands == 2 * x_bytes + 4 * (2 * (H * H + W * W) + C + 4 * C + 2 * C)
+    assert fused.operands == 2 * x_bytes + 4 * (2 * (H * H + W * W) + C + 4 * C + 2 * C)
+    constexprs = triton_fused.specializations(C // 2)[0][1]  # one band step: W <= BAND
+    assert fused.dot_flops == (H * 2 * 2 * 2 * constexprs['TOKENS'] * constexprs['BAND']
+                               * constexprs['D_BLOCK'])  # programs, heads, moments
+    assert fused.flops > fused.dot_flops
 
 
 @pytest.mark.parametrize('heads,rows,cols', [(3, 5, 70), (1, 1, 1), (4, 17, 2)])

@@ -38,6 +38,21 @@ def test_kernels_compile_for_sm90_without_spills():
         assert r['arch'] == 90 and set(r) >= {'kernel', 'registers', 'spills', 'shared_bytes'}
         assert r['spills'] == r['stack_bytes'] == 0 and r['shared_bytes'] <= 227 * 1024, r
         assert 0 < r['registers'] <= 255
+        assert 0 < r['resident_warps'] <= 64 and r['resident_warps'] % r['num_warps'] == 0, r
+
+
+def test_resident_warps():
+    """The warps an SM holds of a kernel's programs, by the occupancy calculator's rules: limited
+    by registers (allocated 256 a warp), shared memory (1 KiB more a block), warps and blocks."""
+    assert_tool_check(textwrap.dedent('''
+        from compile_kernels import resident_warps as warps
+        cases = [((80, 8, 9216, 90), 24),  # 20480 registers a program: 3 of 65536
+                 ((219, 4, 16512, 90), 8),  # 224 a thread allocated: 9 warps, 2 programs
+                 ((32, 4, 64, 80), 64),  # the SM's 64 warps
+                 ((32, 4, 100 * 1024, 90), 8),  # 2 programs of 101 KiB in 228 KiB
+                 ((32, 1, 0, 86), 16)]  # sm_86's 16 blocks
+        print(int(any(warps(*args) != expected for args, expected in cases)))
+        '''))
 
 
 def test_compiled_as_the_layers_launch_them():
@@ -47,7 +62,7 @@ def test_compiled_as_the_layers_launch_them():
     bytes, C and d specialised as multiples of 16 only where they are (the first stage has heads
     of 8 channels), never H and W (no recompilation per resolution). A tool that took d for a
     multiple of 16 there stops, naming the launch."""
-    assert_compiles_without_spills(textwrap.dedent('''
+    assert_tool_check(textwrap.dedent('''
         import compile_kernels as c
         layers, grids = c.dtn_layers('pvtv2_b0', [(256, 320)])
 
@@ -71,9 +86,9 @@ def test_compiled_as_the_layers_launch_them():
         '''))
 
 
-def assert_compiles_without_spills(statement):
-    """Runs ``statement`` in tools/analysis without Triton's interpreter (a tool's spill check,
-    which compiles for a GPU without one) and asserts that the last thing it prints is 0."""
+def assert_tool_check(statement):
+    """Runs ``statement`` in tools/analysis without Triton's interpreter (as a tool's spill check,
+    which compiles for a GPU without one, runs) and asserts that the last thing it prints is 0."""
     check = subprocess.run([sys.executable, '-c', statement],
                            cwd=os.path.join(ROOT, 'tools', 'analysis'), env=compiling_env(),
                            capture_output=True, text=True, timeout=600)
@@ -111,8 +126,8 @@ def test_tile_tuning_tool():
     assert out.returncode == 0, out.stderr[-3000:]
     tuned = [line for line in out.stdout.splitlines() if line in operands]
     assert tuned == ['outer tokens'] and 'OUTER_TILES = {' in out.stdout, out.stdout
-    assert_compiles_without_spills('import tune_band_tiles as t; '
-                                   'print(t.spills("tokens", 90, "float16"))')
+    assert_tool_check('import tune_band_tiles as t; '
+                      'print(t.spills("tokens", 90, "float16"))')
 
 
 def test_fused_tile_tuning_tool():
@@ -158,15 +173,15 @@ def test_fused_tile_tuning_tool():
                              '--kernels', 'output'], capture_output=True, text=True, timeout=600,
                             env=env)
     assert pooled.returncode == 2 and 'none of these stages runs output' in pooled.stderr
-    assert_compiles_without_spills('import tune_fused_tiles as t; '
-                                   'print(t.spills("token_gradients", 64, 90, "float16"))')
-    assert_compiles_without_spills('import tune_fused_tiles as t; '
-                                   'print(t.spills("products_backward", 32, 90, "float16"))')
+    assert_tool_check('import tune_fused_tiles as t; '
+                      'print(t.spills("token_gradients", 64, 90, "float16"))')
+    assert_tool_check('import tune_fused_tiles as t; '
+                      'print(t.spills("products_backward", 32, 90, "float16"))')
     # sm_80's own tiles (triton_fused.ARCH_TILES), where TILES spill there
-    assert_compiles_without_spills('import tune_fused_tiles as t; '
-                                   'print(t.spills("token_gradients", 32, 80, "float16"))')
+    assert_tool_check('import tune_fused_tiles as t; '
+                      'print(t.spills("token_gradients", 32, 80, "float16"))')
     # the current tables that spill are named before tuning (a stand-in for the spill check)
-    assert_compiles_without_spills(
+    assert_tool_check(
         'import tune_fused_tiles as t;'
         ' t.spills = lambda k, d, a, dt: 8 * ((k, d) == ("output", 32));'
         ' found = t.spilling(["output", "token_gradients"], {t.triton_fused: [32, 64]}, 90,'

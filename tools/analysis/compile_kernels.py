@@ -1,5 +1,5 @@
 """Compile DynamicTokenNorm's Triton kernels ahead of time for NVIDIA GPUs, without a GPU, and
-report registers, spills and shared memory per kernel.
+report registers, spills, shared memory and resident warps per kernel.
 
 Every kernel specialisation that the DTN layers of the given backbones launch (forward and backward;
 the products on chip, fused without pooling and on the cell grid with pooling, and one factor at a
@@ -8,7 +8,10 @@ time, ``MMDTN_TRITON_FUSED=0``; the tokens' dtypes given; both statistics conven
 with a ``GPUTarget``, then NVIDIA's ``ptxas``, both shipped with triton). The resource use comes
 from the cubin (``cuobjdump --dump-resource-usage``: registers, shared memory, the stack frame,
 where spills live) and ``ptxas``'s spill report; a kernel is within limits with neither spills nor a
-stack frame and its shared memory within the architecture's limit. The image sizes (default
+stack frame and its shared memory within the architecture's limit. From those follow the warps
+of its programs that one SM holds at once (:func:`resident_warps`, of at most 48 or 64): the
+kernels that walk a band of tokens from the cache wait on each load, and hide that wait only
+behind the other warps an SM holds. The image sizes (default
 800 x 1344 and mmseg's 512 x 512) are checked to add no specialisation: H and W are runtime
 arguments of every kernel.
 
@@ -60,14 +63,31 @@ FLOAT_ARGUMENTS = ('eps', 'n_var')
 #: The channel count and head width: integer arguments that the token kernels let Triton
 #: specialise (:func:`attributes`).
 CHANNEL_ARGUMENTS = ('C', 'd')
-#: Registers per thread and shared memory per block of the targets (CUDA programming guide, by
-#: compute capability: A100, A10/A40/RTX 30, L4/L40/RTX 40, H100/H200, B200, RTX 50).
-LIMITS = {80: dict(registers=255, shared_bytes=163 * 1024),
-          86: dict(registers=255, shared_bytes=99 * 1024),
-          89: dict(registers=255, shared_bytes=99 * 1024),
-          90: dict(registers=255, shared_bytes=227 * 1024),
-          100: dict(registers=255, shared_bytes=227 * 1024),
-          120: dict(registers=255, shared_bytes=99 * 1024)}
+#: Per architecture (compute capability; A100, A10/A40/RTX 30, L4/L40/RTX 40, H100/H200, B200,
+#: RTX 50), from the CUDA C++ Programming Guide's table of compute capabilities: the registers a
+#: thread may have and the shared memory a block may have; per SM, the resident warps and blocks,
+#: the registers and the shared memory (a block also takes 1 KiB of it for the system).
+LIMITS = {80: dict(registers=255, shared_bytes=163 * 1024, sm_warps=64, sm_blocks=32),
+          86: dict(registers=255, shared_bytes=99 * 1024, sm_warps=48, sm_blocks=16),
+          89: dict(registers=255, shared_bytes=99 * 1024, sm_warps=48, sm_blocks=24),
+          90: dict(registers=255, shared_bytes=227 * 1024, sm_warps=64, sm_blocks=32),
+          100: dict(registers=255, shared_bytes=227 * 1024, sm_warps=64, sm_blocks=32),
+          120: dict(registers=255, shared_bytes=99 * 1024, sm_warps=48, sm_blocks=32)}
+#: Registers of an SM (every architecture above), allocated to a warp in units of 256.
+SM_REGISTERS, REGISTER_UNIT = 65536, 256
+
+
+def resident_warps(registers, warps, shared_bytes, arch):
+    """The warps of a kernel's programs (blocks of ``warps`` warps, ``registers`` a thread,
+    ``shared_bytes`` a block) that one SM of sm_<arch> holds at once: whole programs, as many as
+    its registers, shared memory, warps and blocks allow (the occupancy calculator's rules). A
+    program whose loads wait on the cache waits alone where this is low."""
+    limits = LIMITS[arch]
+    per_warp = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
+    by_shared = (limits['shared_bytes'] + 1024) // (shared_bytes + 1024)
+    programs = min(SM_REGISTERS // per_warp // warps, by_shared, limits['sm_warps'] // warps,
+                   limits['sm_blocks'])
+    return programs * warps
 
 
 def dtn_layers(model, sizes):
@@ -337,6 +357,8 @@ def main():
                              constexprs=constexprs, multiples_of_16=list(multiples),
                              registers=registers, spills=spills,
                              shared_bytes=shared, stack_bytes=stack,
+                             resident_warps=(resident_warps(registers, warps, shared, arch)
+                                             if arch in LIMITS else None),
                              within_limits=(spills == stack == 0
                                             and shared <= LIMITS[arch]['shared_bytes']
                                             if arch in LIMITS else None)))
@@ -352,11 +374,12 @@ def main():
               f'{len(keys)} of the {compiled} specialisations compiled, each bound by Triton as '
               'compiled here')
     head = (f"{'kernel':<34}{'arch':>5}{'dtype':>10}{'warps':>6}{'regs':>6}{'spills':>8}"
-            f"{'stack':>7}{'shared':>8}  multiples of 16, constexprs")
+            f"{'stack':>7}{'shared':>8}{'warps/SM':>9}  multiples of 16, constexprs")
     print('\n' + head + '\n' + '-' * len(head))
     for r in rows:
         print(f"{r['kernel']:<34}{r['arch']:>5}{r['dtype']:>10}{r['num_warps']:>6}"
-              f"{r['registers']:>6}{r['spills']:>8}{r['stack_bytes']:>7}{r['shared_bytes']:>8}  "
+              f"{r['registers']:>6}{r['spills']:>8}{r['stack_bytes']:>7}{r['shared_bytes']:>8}"
+              f"{r['resident_warps'] or '-':>9}  "
               f"{','.join(r['multiples_of_16']) or '-'} {r['constexprs']}")
     bad = [r for r in rows if r['within_limits'] is False]
     print(f'\n{len(rows)} compilations, {len(jobs)} specialisations per arch; '
