@@ -177,7 +177,7 @@ def test_fused_tile_tuning_tool():
                       'print(t.spills("token_gradients", 64, 90, "float16"))')
     assert_tool_check('import tune_fused_tiles as t; '
                       'print(t.spills("products_backward", 32, 90, "float16"))')
-    # sm_80's own tiles (triton_fused.ARCH_TILES), where TILES spill there
+    # TILES on sm_80, where the token gradients' tiles for heads of 32 channels once spilled
     assert_tool_check('import tune_fused_tiles as t; '
                       'print(t.spills("token_gradients", 32, 80, "float16"))')
     # the current tables that spill are named before tuning (a stand-in for the spill check)

@@ -15,7 +15,7 @@ formed:
     products            m = P^h T: T read, m written (one launch)
     products backward   dL/dT = P^hT dL/dm by the same products with the factors transposed, and
                         the program's share of the gradient of a^h from dL/dm at its cells and the
-                        band of T (:func:`.triton_fused._coefficient_sums`; no float atomics):
+                        band of T (:func:`.triton_fused._products`; no float atomics):
                         dL/dm and T read, dL/dT written (one launch)
 
 m keeps its raw second moment (the passes form the inter-token variance). The cell tensors keep
@@ -91,9 +91,10 @@ def _products_kernel(t_ptr, p_y_ptr, p_x_ptr, m_ptr, Hp, Wp, d, t_shead, t_sb, t
     p_y, p_x = fused._factors(p_y_ptr, p_x_ptr, head, Hp, Wp)
     bands = fused._bands(p_y, p_x, i, w, Hp, Wp, False, SPAN_BLOCK)
     t_cells = _image(_image(t_ptr, head, t_shead), b, t_sb)
-    first, second = fused._products(t_cells, t_plane, t_cells, 0, 0.0, p_y, p_x, bands, i, w, Hp,
-                                    Wp, t_srow, t_scol, c, real, False, False, BAND, D_BLOCK,
-                                    UNROLL, STAGES)
+    first, second, _, _, _ = fused._products(t_cells, t_plane, t_cells, 0, 0.0, p_y, p_x, bands,
+                                             i, w, Hp, Wp, t_srow, t_scol, c, real, 0.0, 0.0,
+                                             False, False, True, False, BAND, D_BLOCK, UNROLL,
+                                             STAGES)
     m_cells = _image(_image(m_ptr, head, m_shead), b, m_sb)
     offsets = i * m_srow + w[:, None] * m_scol + c[None, :]
     mask = (w < Wp)[:, None] & real[None, :]
@@ -151,9 +152,10 @@ def _products_backward_kernel(t_ptr, dm_ptr, p_y_ptr, p_x_ptr, dt_ptr, coef_ptr,
     dm_cells = _image(_image(dm_ptr, head, m_shead), b, m_sb)
     t_cells = _image(_image(t_ptr, head, t_shead), b, t_sb)
     transposed = fused._bands(p_y, p_x, i, w, Hp, Wp, True, SPAN_BLOCK)
-    dt_first, dt_second = fused._products(dm_cells, m_plane, dm_cells, 0, 0.0, p_y, p_x,
-                                          transposed, i, w, Hp, Wp, m_srow, m_scol, c, real,
-                                          False, True, BAND, D_BLOCK, UNROLL, STAGES)
+    dt_first, dt_second, _, _, _ = fused._products(dm_cells, m_plane, dm_cells, 0, 0.0, p_y,
+                                                   p_x, transposed, i, w, Hp, Wp, m_srow, m_scol,
+                                                   c, real, 0.0, 0.0, False, True, True, False,
+                                                   BAND, D_BLOCK, UNROLL, STAGES)
     dt_cells = _image(_image(dt_ptr, head, t_shead), b, t_sb)
     offsets = i * t_srow + w[:, None] * t_scol + c[None, :]
     tl.store(dt_cells + offsets, dt_first, mask=mask)
@@ -163,9 +165,10 @@ def _products_backward_kernel(t_ptr, dm_ptr, p_y_ptr, p_x_ptr, dt_ptr, coef_ptr,
     dm_first = tl.load(dm_cells + offsets, mask=mask, other=0.0)
     dm_second = tl.load(dm_cells + m_plane + offsets, mask=mask, other=0.0)
     bands = fused._bands(p_y, p_x, i, w, Hp, Wp, False, SPAN_BLOCK)
-    da1, da2, da3 = fused._coefficient_sums(t_cells, t_plane, t_srow, t_scol, dm_first, dm_second,
-                                            0.0, p_y, p_x, bands, i, w, Hp, Wp, c, real, False,
-                                            BAND, D_BLOCK, UNROLL, STAGES)
+    _, _, da1, da2, da3 = fused._products(t_cells, t_plane, t_cells, 0, 0.0, p_y, p_x, bands, i,
+                                          w, Hp, Wp, t_srow, t_scol, c, real, dm_first, dm_second,
+                                          False, False, False, True, BAND, D_BLOCK, UNROLL,
+                                          STAGES)
     coef = coef_ptr + ((row * tl.num_programs(1) + block) * tl.num_programs(2) + head) * 3
     tl.store(coef, da1)
     tl.store(coef + 1, da2)

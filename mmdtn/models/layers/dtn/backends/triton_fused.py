@@ -17,15 +17,15 @@ with S = T = (x - centre, (x - centre)^2) of the tokens; P^h = P_y^h (x) P_x^h, 
 m = P_y u in another order, equal to float32 rounding. The three kernels:
 
     output           y = gamma (x - mu) / sqrt(sigma2 + eps) + beta (Eqs. 4-5, var_it = m_1 - m_0^2)
-    token gradients  with D1 = g gamma rstd and D2 = D1 xhat rstd: dL/dm (stored), the per-token
-                     gradient of Eq. 2 and the gradient of a^h (below); g and x read, dL/dm
-                     written
+    token gradients  with D1 = g gamma rstd and D2 = D1 xhat rstd: dL/dm (stored) and the
+                     per-token gradient of Eq. 2; g and x read, dL/dm written
     input gradient   dL/dT = P^T dL/dm by the same products with the factors transposed (S =
                      dL/dm); dx = D1 + x beta + alpha + dL/dT_0 + 2 (x - centre) dL/dT_1 (m formed
-                     again for rstd) and the sums for the weight, the bias and the ratios; g, x
-                     and dL/dm read, dx written; a program per head, of up to twice the tokens and
-                     of several token rows where there are many programs (:data:`PROGRAMS`): the
-                     sums, float32 per program and channel, are written once for all of them
+                     again for rstd), the sums for the weight, the bias and the ratios, and the
+                     gradient of a^h (below) in the walk that forms m again; g, x and dL/dm read,
+                     dx written; a program per head, of several token rows where there are many
+                     programs (:data:`PROGRAMS`): the sums, float32 per program and channel, are
+                     written once for all of them
 
 dL/dm passes between the backward kernels in float32 for float32 tokens and in float16 for 16-bit
 tokens (:func:`gradient_dtype`). There each token's values of a head and moment are divided by the
@@ -36,9 +36,12 @@ operand of the backward pass.
 
 The gradients of P_y and P_x are never formed: P = softmax(a . R) by rows (Eq. 6), so the gradient
 of a is linear in them, da = sum_ij dP_ij P_ij (R_ij - Rbar_i) with Rbar_i = sum_j P_ij R_ij, and
-each program contracts its share of dP_y (row i: sum_s e_s T_rs with e = P_x^T dL/dm of its tokens)
-and of dP_x (rows w: sum_i dL/dm_iw v_is) with it at once: three numbers per head and program, added
-up in a fixed order afterwards (:mod:`.triton_parameters`; no float atomics).
+each input-gradient program contracts its share of dP_y (row i: sum_s e_s T_rs with e = P_x^T dL/dm
+of its tokens) and of dP_x (rows w: sum_i dL/dm_iw v_is) with it at once: three numbers per head and
+program, added up in a fixed order afterwards (:mod:`.triton_parameters`; no float atomics). It does
+so in the walk over x's band that forms m again for rstd, from the same sums v, and from dL/dm of
+its tokens as the token gradients stored it: so the backward pass walks the band three times per
+head and token, not four (the token gradients once, the input gradient twice).
 
 The rows of the band are read again by the programs of neighbouring token rows: from the GPU's
 cache (``kernel_loads.py`` counts those reads). Heads wider than MAX_HEAD_CHANNELS channels run the
@@ -47,12 +50,13 @@ staged passes (:func:`fuses`).
 H and W are runtime arguments (no recompilation per resolution). Specialised on the channel count
 C and the head width d (multiples of 16 in every layer without pooling of the models here),
 Triton reads and writes the tokens 8 or 16 bytes at a time instead of 2: the input gradient is
-(with the four sums of :data:`.triton_kernels.TIED_SUMS` it compiles without spills on sm_80 to
-sm_120; with six it spilled 80-252 bytes on sm_80 and sm_90), the output and the token gradients
-are not, since with their tiles they spilled (``compile_kernels.py``: the output 8-56 bytes on
-sm_86 to sm_120, the token gradients 52-80 on sm_80 for float32 tokens). On sm_90 the token
-gradients took 159 registers instead of 219 for heads of 64 channels: with tiles tuned for it on
-a GPU, a lead.
+(with the four sums of :data:`.triton_kernels.TIED_SUMS` and its tiles it compiles without spills
+on sm_80 to sm_120; with six sums it spilled 80-252 bytes on sm_80 and sm_90), the output and the
+token gradients are not, since with their tiles they spilled (``compile_kernels.py``: the output
+8-56 bytes on sm_86 to sm_120, the token gradients for heads of 32 channels 48-52 on sm_86 and
+sm_90 for float32 tokens). Specialised, the token gradients for heads of 64 channels took 213-215
+registers instead of 221-246 (float16 tokens, sm_80 to sm_90): with tiles tuned for it on a GPU,
+a lead.
 (:mod:`.triton_kernels` specialises its moments, token-gradient and input-gradient passes on C
 and d.)
 """
@@ -94,49 +98,55 @@ ENABLED = os.environ.get('MMDTN_TRITON_FUSED', '1') != '0'
 #: 16 bytes or more with every tile tried. Wider heads run the staged passes.
 MAX_HEAD_CHANNELS = 64
 #: (tokens of a token row per program, warps) by kernel and head width (channels, padded to 32 or
-#: 64), timed on an H200 (docs/gpu.md, "Measured on an H200"; on another GPU, run
-#: ``tools/analysis/tune_fused_tiles.py`` and put its tables here and in :data:`WALKS`): of the
-#: variants of 16 or 32 tokens and 2, 4 or 8 warps, these took the least GPU time at PVT-Tiny's and
-#: Swin-T's stages 3 and 4 without spilling on sm_90 (``compile_kernels.py``). For heads of 64
-#: channels 16 tokens with 4 warps in the token gradients (8 before) and 16 with 8 in the output (32
+#: 64). On another GPU, run ``tools/analysis/tune_fused_tiles.py`` and put its tables here and in
+#: :data:`WALKS`. The output's and the token gradients' were timed on an H200 (docs/gpu.md,
+#: "Measured on an H200"): of the variants of 16 or 32 tokens and 2, 4 or 8 warps, these took the
+#: least GPU time at PVT-Tiny's and Swin-T's stages 3 and 4 without spilling on sm_90
+#: (``compile_kernels.py``); the token gradients then also formed the shares of the gradient of a^h
+#: (in a second walk over the band, now in the input gradient's first). For heads of 64 channels
+#: 16 tokens with 4 warps in the token gradients (8 before) and 16 with 8 in the output (32
 #: before) took PVT-Tiny's stage 3 from 1.08 to 0.82 ms. For heads of 32 channels the token
-#: gradients take 2 warps: with their sums reduced once per band step (:func:`_coefficient_sums`) 4
-#: spilled on sm_90, and 2 were the fastest tried on the H200 (on sm_80 they spill, and 4 do not:
-#: :data:`ARCH_TILES`). The input gradient, which forms the parameter sums, takes 32 tokens for both
-#: widths: it writes them half as often per token; over several token rows (:data:`PROGRAMS`) it
-#: holds the sums across them, and for heads of 64 channels spilled 136-552 bytes with 4 warps (5%
-#: faster on the H200 all the same) and none with 8. The tokens are the rows of P_x in one tl.dot
-#: (at least 16).
+#: gradients took 2 warps then, the fastest tried on the H200 (on sm_80 they spilled, and 4 did
+#: not); with one walk they spill 24-40 bytes with 2 on sm_90 for 16-bit tokens (ptxas keeps them
+#: to 168 registers), and take 4 with one band row a step (:data:`WALKS`), which spill on none of
+#: sm_80 to sm_100 (126-128 registers on sm_90: 16 warps an SM, twice as many as before; 168 on
+#: sm_80), not yet timed. The input gradient's are the compiler's choice, not yet timed: since it
+#: forms the shares of the gradient of a^h, its tiles before (32 tokens, with 4 warps for heads of
+#: 32 channels and 8 for 64) spill 24-668 bytes on sm_80 and sm_90, and 32 tokens with 8 warps
+#: 20-24 bytes for heads of 32 channels (sm_90, 16-bit tokens); 16 tokens with 8 warps spill in no
+#: dtype on either (168-254 registers). Over several token rows (:data:`PROGRAMS`) it holds the
+#: parameter sums and the shares across them. The tokens are the rows of P_x in one tl.dot (at
+#: least 16).
 TILES = {
     'output': {32: (16, 8), 64: (16, 8)},
-    'token_gradients': {32: (16, 2), 64: (16, 4)},
-    'input_gradient': {32: (32, 4), 64: (32, 8)},
+    'token_gradients': {32: (16, 4), 64: (16, 4)},
+    'input_gradient': {32: (16, 8), 64: (16, 8)},
 }
 
 #: Tiles of :data:`TILES` replaced on one architecture, by compute capability (10 major + minor),
-#: where its compiler spills registers with them (``compile_kernels.py --arch 80 86 89 90``, triton
-#: 3.8). On sm_80 (A100, A30) the token gradients for heads of 32 channels spill 124 bytes with 2
-#: warps (none on sm_86, sm_89 and sm_90) and none with 4 (206-210 registers; on sm_86 to sm_90 4
-#: warps spill 24-32 bytes). Chosen by the compiler's report, not timed on an A100
-#: (``tools/analysis/tune_fused_tiles.py`` times them on the GPU at hand).
-ARCH_TILES = {
-    80: {'token_gradients': {32: (16, 4)}},
-}
+#: where its compiler spills registers with them or another GPU times them faster
+#: (``tools/analysis/tune_fused_tiles.py`` writes its candidates here for the GPU at hand). None at
+#: present: sm_80 (A100, A30) had 4 warps for the token gradients of heads of 32 channels, where
+#: TILES' 2 spilled 124 bytes, which TILES now has (``compile_kernels.py --arch 80 86 89 90``,
+#: triton 3.8).
+ARCH_TILES = {}
 
-#: The walk over P_y^h's band (its rows r in :func:`_products` and :func:`_coefficient_sums`), by
-#: kernel and head width as :data:`TILES`: (rows unrolled per step, loads in flight), Triton's
-#: ``loop_unroll_factor`` and ``num_stages`` of the loop. A step reads a tile of BAND token columns
-#: of one band row and adds it in with P_y's weight; (1, 1) walks the rows one after the other.
+#: The walk over P_y^h's band (its rows r in :func:`_products`), by kernel and head width as
+#: :data:`TILES`: (rows unrolled per step, loads in flight), Triton's ``loop_unroll_factor`` and
+#: ``num_stages`` of the loop. A step reads a tile of BAND token columns of one band row and adds
+#: it in with P_y's weight; (1, 1) walks the rows one after the other.
 #: Timed on an H200 (docs/gpu.md, "Measured on an H200"; float16 tokens, batch 2, PVT-Tiny's and
 #: Swin-T's stages 3 and 4): two rows a step took the backward kernels' GPU time down by 4-6% (token
 #: gradients) and 14-16% (input gradient), but the output's up by 10-49%; loads in flight (2 or 3,
 #: through shared memory) took every kernel's up. Four rows a step spill on sm_90 in the input
 #: gradient and, for heads of 64 channels, in the token gradients. Reading a step's rows in one load
 #: instead ([rows, BAND, D_BLOCK], summed over the rows) was fastest with one row a step and then
-#: took 6-12% more time than these walks at the same stages (docs/gpu.md, "The latest run").
+#: took 6-12% more time than these walks at the same stages (docs/gpu.md, "The latest run"). The
+#: token gradients for heads of 32 channels walk one row a step with their 4 warps (:data:`TILES`):
+#: with two they spill 24 bytes on sm_90 for bfloat16 tokens; not yet timed.
 WALKS = {
     'output': {32: (1, 1), 64: (1, 1)},
-    'token_gradients': {32: (2, 1), 64: (2, 1)},
+    'token_gradients': {32: (1, 1), 64: (2, 1)},
     'input_gradient': {32: (2, 1), 64: (2, 1)},
 }
 
@@ -162,13 +172,19 @@ def fuses(pool, d):
 
 # ---------------------------------------------------------------------------- shared pieces
 @triton.jit
+def _head_offsets(i, w, head, W, C, d, D_BLOCK: tl.constexpr):
+    """The mask and the offsets within an image of tokens w (TOKENS,) of token row i, the d
+    channels of ``head``: [TOKENS, D_BLOCK] each."""
+    c = tl.arange(0, D_BLOCK)
+    return (w < W)[:, None] & (c < d)[None, :], (i * W + w)[:, None] * C + (head * d + c)[None, :]
+
+
+@triton.jit
 def _head_tokens(image, i, w, head, W, C, d, D_BLOCK: tl.constexpr):
     """Tokens w (TOKENS,) of token row i, the d channels of ``head``, from ``image`` (a tensor of
     tokens): float32 [TOKENS, D_BLOCK] (zeros outside), the mask and the offsets within the
     image."""
-    c = tl.arange(0, D_BLOCK)
-    mask = (w < W)[:, None] & (c < d)[None, :]
-    offsets = (i * W + w)[:, None] * C + (head * d + c)[None, :]
+    mask, offsets = _head_offsets(i, w, head, W, C, d, D_BLOCK)
     return tl.load(image + offsets, mask=mask, other=0.0).to(tl.float32), mask, offsets
 
 
@@ -260,23 +276,49 @@ def _bands(p_y, p_x, i, w, H, W, TRANSPOSE: tl.constexpr, SPAN_BLOCK: tl.constex
 
 @triton.jit
 def _products(src_image, plane, exponents, exponent_plane, centre, p_y, p_x, bands, i, w, H, W,
-              s_row, s_col, channel, real, FROM_TOKENS: tl.constexpr, TRANSPOSE: tl.constexpr,
+              s_row, s_col, channel, real, dm_first, dm_second, FROM_TOKENS: tl.constexpr,
+              TRANSPOSE: tl.constexpr, PRODUCTS: tl.constexpr, COEFFICIENTS: tl.constexpr,
               BAND: tl.constexpr, D_BLOCK: tl.constexpr, UNROLL: tl.constexpr,
               STAGES: tl.constexpr):
-    """(P_y^h (x) P_x^h) S at tokens w of token row i, or with TRANSPOSE the transposed factors',
-    over their ``bands`` (:func:`_bands`), for the channels ``channel`` of one head (``real``: the
-    head's own): the two moments, float32 [TOKENS, D_BLOCK]. S: :func:`_source`, its entry of row
-    r and column s at r s_row + s s_col + channel (tokens: W C and C; :mod:`.triton_cells`: the
-    strides of a cell tensor); see the module docstring."""
+    """One walk over the ``bands`` (:func:`_bands`) of P_y^h's row i and P_x^h's rows w (with
+    TRANSPOSE: of their columns), for the channels ``channel`` of one head (``real``: the head's
+    own), of the source S (:func:`_source`; its entry of row r and column s at r s_row + s s_col +
+    channel: tokens W C and C, :mod:`.triton_cells` the strides of a cell tensor). Returns (first,
+    second, da1, da2, da3):
+
+    - with PRODUCTS, (P_y^h (x) P_x^h) S at tokens w of token row i, or with TRANSPOSE the
+      transposed factors' (the module docstring), the two moments, float32 [TOKENS, D_BLOCK];
+    - with COEFFICIENTS (not TRANSPOSE), the share of the gradient of a^h of tokens w with dL/dm
+      ``dm_first``, ``dm_second`` [TOKENS, D_BLOCK] (zeros outside) through these products and
+      the softmax of Eq. 6 (module docstring), R = (d^2, d) with d = source - output on each
+      axis; from the same sums v of the band's rows as the products, where both are formed.
+
+    What is not asked for is zeros (never formed)."""
     lo_y, hi_y, lo_x, hi_x = bands
     first = tl.zeros([w.shape[0], D_BLOCK], tl.float32)
     second = tl.zeros([w.shape[0], D_BLOCK], tl.float32)
+    # the gradient of a^h. P_y's row i: Rbar = sum_r P R and sum_r P dP (1, R); P_x's rows w: the
+    # same, per row
+    zero = tl.sum(tl.zeros([w.shape[0]], tl.float32), axis=0)
+    mean_sq_y, mean_lin_y, dp_y, dp_sq_y, dp_lin_y = zero, zero, zero, zero, zero
+    mean_sq_x = tl.zeros([w.shape[0]], tl.float32)
+    mean_lin_x = tl.zeros([w.shape[0]], tl.float32)
+    dp_x = tl.zeros([w.shape[0]], tl.float32)
+    dp_sq_x = tl.zeros([w.shape[0]], tl.float32)
+    dp_lin_x = tl.zeros([w.shape[0]], tl.float32)
     for start in range(lo_x, hi_x, BAND):
         cols = start + tl.arange(0, BAND)
         valid = cols < hi_x
         mask = valid[:, None] & real[None, :]
+        if COEFFICIENTS:
+            weights_x = _weights(p_x, w, cols, W, hi_x, TRANSPOSE)  # P_x[w, s]
+            e_first = tl.dot(tl.trans(weights_x), dm_first, input_precision='ieee')  # P_x^T dm
+            e_second = tl.dot(tl.trans(weights_x), dm_second, input_precision='ieee')
         v_first = tl.zeros([BAND, D_BLOCK], tl.float32)
         v_second = tl.zeros([BAND, D_BLOCK], tl.float32)
+        if COEFFICIENTS:
+            lin = tl.zeros([BAND, D_BLOCK], tl.float32)  # sum_r P_y[i, r] dy e S_r, per entry
+            sq = tl.zeros([BAND, D_BLOCK], tl.float32)  # sum_r P_y[i, r] dy^2 e S_r
         for r in tl.range(lo_y, hi_y, num_stages=STAGES,
                           loop_unroll_factor=UNROLL):  # v = sum_r P_y[i, r] S_r
             if TRANSPOSE:
@@ -289,10 +331,41 @@ def _products(src_image, plane, exponents, exponent_plane, centre, p_y, p_x, ban
                                         mask, centre, FROM_TOKENS)
             v_first += weight_y * s_first
             v_second += weight_y * s_second
-        weights_x = _weights(p_x, w, cols, W, hi_x, TRANSPOSE)  # m = P_x v
-        first += tl.dot(weights_x, v_first, input_precision='ieee')
-        second += tl.dot(weights_x, v_second, input_precision='ieee')
-    return first, second
+            if COEFFICIENTS:
+                dy = tl.cast(r - i, tl.float32)
+                weighted = (weight_y * dy) * (e_first * s_first + e_second * s_second)
+                lin += weighted
+                sq += weighted * dy
+        if not COEFFICIENTS:  # formed after the walk: not held across it
+            weights_x = _weights(p_x, w, cols, W, hi_x, TRANSPOSE)  # P_x[w, s] (or transposed)
+        if PRODUCTS:  # m = P_x v
+            first += tl.dot(weights_x, v_first, input_precision='ieee')
+            second += tl.dot(weights_x, v_second, input_precision='ieee')
+        if COEFFICIENTS:
+            # P dP_y[i, r] with dP_y[i, r] = sum_s e_s S_rs (these tokens' share), summed over r
+            # with (1, dy, dy^2): e . v and the sums above, reduced once per step
+            dp_y += tl.sum(tl.sum(e_first * v_first + e_second * v_second, axis=1), axis=0)
+            dp_lin_y += tl.sum(tl.sum(lin, axis=1), axis=0)
+            dp_sq_y += tl.sum(tl.sum(sq, axis=1), axis=0)
+            # P dP_x[w, s], dP_x[w, s] = sum_c dm_w v_s
+            outer = (tl.dot(dm_first, tl.trans(v_first), input_precision='ieee')
+                     + tl.dot(dm_second, tl.trans(v_second), input_precision='ieee'))
+            dx = (cols[None, :] - w[:, None]).to(tl.float32)
+            dp = weights_x * outer
+            dp_x += tl.sum(dp, axis=1)
+            dp_sq_x += tl.sum(dp * dx * dx, axis=1)
+            dp_lin_x += tl.sum(dp * dx, axis=1)
+            mean_sq_x += tl.sum(weights_x * dx * dx, axis=1)
+            mean_lin_x += tl.sum(weights_x * dx, axis=1)
+    if COEFFICIENTS:
+        for r in range(lo_y, hi_y):
+            weight_y = tl.load(p_y + i * H + r)
+            dy = tl.cast(r - i, tl.float32)
+            mean_sq_y += weight_y * dy * dy
+            mean_lin_y += weight_y * dy
+    da1 = tl.sum(dp_sq_x - mean_sq_x * dp_x, axis=0) + dp_sq_y - mean_sq_y * dp_y
+    return (first, second, da1, tl.sum(dp_lin_x - mean_lin_x * dp_x, axis=0),
+            dp_lin_y - mean_lin_y * dp_y)
 
 
 @triton.jit
@@ -310,25 +383,29 @@ def _factors(p_y_ptr, p_x_ptr, head, H, W):
 
 @triton.jit
 def _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, w, head, H, W, C,
-                       d, mean_ln, var_ln, eps, BAND: tl.constexpr, D_BLOCK: tl.constexpr,
-                       SPAN_BLOCK: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr):
+                       d, mean_ln, var_ln, eps, dm_first, dm_second, COEFFICIENTS: tl.constexpr,
+                       BAND: tl.constexpr, D_BLOCK: tl.constexpr, SPAN_BLOCK: tl.constexpr,
+                       UNROLL: tl.constexpr, STAGES: tl.constexpr):
     """Eq. 5 by the products on chip inside Eq. 4 without the affine, for the channels of
     ``head`` of tokens w of token row i of image b, given Eq. 2 ([TOKENS, 1] each). Returns the
     tokens x [TOKENS, D_BLOCK], their mask and offsets, the head's channels, which are real, its
-    centre, P_y^h and P_x^h and their bands, the first moment about the centre m_0 = mu_it -
-    centre, var_it, the four ratio rows, rstd and xhat."""
+    centre, P_y^h and P_x^h, the first moment about the centre m_0 = mu_it - centre, var_it, the
+    four ratio rows, rstd and xhat; and with COEFFICIENTS the tokens' share of the gradient of a^h
+    from their dL/dm ``dm_first``, ``dm_second`` (:func:`_products`; zeros without)."""
     channel, real, centre = _head(centre_ptr, b, head, C, d, D_BLOCK)
     p_y, p_x = _factors(p_y_ptr, p_x_ptr, head, H, W)
     bands = _bands(p_y, p_x, i, w, H, W, False, SPAN_BLOCK)
-    first, second = _products(x_image, 0, x_image, 0, centre, p_y, p_x, bands, i, w, H, W, W * C,
-                              C, channel, real, True, False, BAND, D_BLOCK, UNROLL, STAGES)
+    first, second, da1, da2, da3 = _products(x_image, 0, x_image, 0, centre, p_y, p_x, bands, i,
+                                             w, H, W, W * C, C, channel, real, dm_first,
+                                             dm_second, True, False, True, COEFFICIENTS, BAND,
+                                             D_BLOCK, UNROLL, STAGES)
     lam_m, kap_m, lam_v, kap_v = _ratio_rows(ratios_ptr + head * d, C, d, D_BLOCK)
     var_it = tl.maximum(second - first * first, 0.0)
     x, mask, offsets = _head_tokens(x_image, i, w, head, W, C, d, D_BLOCK)
     rstd, xhat = _standardised(x, mean_ln, var_ln, first + centre, var_it, lam_m, kap_m, lam_v,
                                kap_v, eps)
-    return (x, mask, offsets, channel, real, centre, p_y, p_x, bands, first, var_it, lam_m, kap_m,
-            lam_v, kap_v, rstd, xhat)
+    return (x, mask, offsets, channel, real, centre, p_y, p_x, first, var_it, lam_m, kap_m, lam_v,
+            kap_v, rstd, xhat, da1, da2, da3)
 
 
 # ---------------------------------------------------------------------------- forward
@@ -346,9 +423,9 @@ def _fused_output_kernel(x_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, weight
     x_image, y_image = x_ptr + image, y_ptr + image
     mean_ln, var_ln = _ln_statistics(x_image, i, w, W, C, d, heads, n_var, D_BLOCK)
     for head in range(heads):
-        x, mask, offsets, _, _, _, _, _, _, _, _, _, _, _, _, _, xhat = _head_standardised(
+        x, mask, offsets, _, _, _, _, _, _, _, _, _, _, _, _, xhat, _, _, _ = _head_standardised(
             x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, w, head, H, W, C, d,
-            mean_ln, var_ln, eps, BAND, D_BLOCK, SPAN_BLOCK, UNROLL, STAGES)
+            mean_ln, var_ln, eps, 0.0, 0.0, False, BAND, D_BLOCK, SPAN_BLOCK, UNROLL, STAGES)
         gamma = _channel_row(weight_ptr + head * d, d, D_BLOCK)
         beta = _channel_row(bias_ptr + head * d, d, D_BLOCK)
         tl.store(y_image + offsets, (xhat * gamma + beta).to(y_ptr.dtype.element_ty), mask=mask)
@@ -368,82 +445,17 @@ def fused_output(x, centre, p_y, p_x, ratios, weight, bias, eps, n_var, grid):
 
 
 # ---------------------------------------------------------------------------- backward
-@triton.jit
-def _coefficient_sums(src_image, plane, s_row, s_col, dm_first, dm_second, centre, p_y, p_x,
-                      bands, i, w, H, W, channel, real, FROM_TOKENS: tl.constexpr,
-                      BAND: tl.constexpr, D_BLOCK: tl.constexpr, UNROLL: tl.constexpr,
-                      STAGES: tl.constexpr):
-    """This program's share (da1, da2, da3) of the gradient of a^h from its tokens' dL/dm
-    [TOKENS, D_BLOCK] each moment (zeros outside), through the products of :func:`_products` of
-    the source S (its arguments as there) over the same ``bands`` and the softmax of Eq. 6
-    (module docstring), R = (d^2, d) with d = source - output on each axis."""
-    lo_y, hi_y, lo_x, hi_x = bands
-    # P_y's row i: Rbar = sum_r P R and sum_r P dP (1, R); P_x's rows w: the same, per row
-    zero = tl.sum(tl.zeros([w.shape[0]], tl.float32), axis=0)
-    mean_sq_y, mean_lin_y, dp_y, dp_sq_y, dp_lin_y = zero, zero, zero, zero, zero
-    mean_sq_x = tl.zeros([w.shape[0]], tl.float32)
-    mean_lin_x = tl.zeros([w.shape[0]], tl.float32)
-    dp_x = tl.zeros([w.shape[0]], tl.float32)
-    dp_sq_x = tl.zeros([w.shape[0]], tl.float32)
-    dp_lin_x = tl.zeros([w.shape[0]], tl.float32)
-    for r in range(lo_y, hi_y):
-        weight_y = tl.load(p_y + i * H + r)
-        dy = (r - i).to(tl.float32)
-        mean_sq_y += weight_y * dy * dy
-        mean_lin_y += weight_y * dy
-    for start in range(lo_x, hi_x, BAND):
-        cols = start + tl.arange(0, BAND)
-        mask = (cols < hi_x)[:, None] & real[None, :]
-        weights_x = _weights(p_x, w, cols, W, hi_x, False)  # P_x[w, s]
-        e_first = tl.dot(tl.trans(weights_x), dm_first, input_precision='ieee')  # P_x^T dm
-        e_second = tl.dot(tl.trans(weights_x), dm_second, input_precision='ieee')
-        v_first = tl.zeros([BAND, D_BLOCK], tl.float32)
-        v_second = tl.zeros([BAND, D_BLOCK], tl.float32)
-        lin = tl.zeros([BAND, D_BLOCK], tl.float32)  # sum_r P_y[i, r] dy e T_r, per entry
-        sq = tl.zeros([BAND, D_BLOCK], tl.float32)  # sum_r P_y[i, r] dy^2 e T_r
-        for r in tl.range(lo_y, hi_y, num_stages=STAGES, loop_unroll_factor=UNROLL):
-            weight_y = tl.load(p_y + i * H + r)
-            t_first, t_second = _source(src_image, plane, src_image, 0, r * W + cols,
-                                        cols < hi_x,
-                                        (r * s_row + cols * s_col)[:, None] + channel[None, :],
-                                        mask, centre, FROM_TOKENS)
-            v_first += weight_y * t_first
-            v_second += weight_y * t_second
-            dy = (r - i).to(tl.float32)
-            weighted = (weight_y * dy) * (e_first * t_first + e_second * t_second)
-            lin += weighted
-            sq += weighted * dy
-        # P dP_y[i, r] with dP_y[i, r] = sum_s e_s T_rs (this program's tokens' share), summed
-        # over r with (1, dy, dy^2): e . v and the sums above, reduced once per step
-        dp_y += tl.sum(tl.sum(e_first * v_first + e_second * v_second, axis=1), axis=0)
-        dp_lin_y += tl.sum(tl.sum(lin, axis=1), axis=0)
-        dp_sq_y += tl.sum(tl.sum(sq, axis=1), axis=0)
-        # P dP_x[w, s], dP_x[w, s] = sum_c dm_w v_s
-        outer = (tl.dot(dm_first, tl.trans(v_first), input_precision='ieee')
-                 + tl.dot(dm_second, tl.trans(v_second), input_precision='ieee'))
-        dx = (cols[None, :] - w[:, None]).to(tl.float32)
-        dp = weights_x * outer
-        dp_x += tl.sum(dp, axis=1)
-        dp_sq_x += tl.sum(dp * dx * dx, axis=1)
-        dp_lin_x += tl.sum(dp * dx, axis=1)
-        mean_sq_x += tl.sum(weights_x * dx * dx, axis=1)
-        mean_lin_x += tl.sum(weights_x * dx, axis=1)
-    da1 = tl.sum(dp_sq_x - mean_sq_x * dp_x, axis=0) + dp_sq_y - mean_sq_y * dp_y
-    return da1, tl.sum(dp_lin_x - mean_lin_x * dp_x, axis=0), dp_lin_y - mean_lin_y * dp_y
-
-
-# not specialised on C and d: with them its tiles spilled 52-80 bytes on sm_80 for float32 tokens
+# not specialised on C and d: with them its tiles spill 48-52 bytes on sm_86, sm_90 (float32, d 32)
 @triton.jit(do_not_specialize=['H', 'W', 'C', 'd', 'heads'])
 def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr,
-                                  weight_ptr, scaled_dm_ptr, exponent_ptr, token_ptr, coef_ptr, H,
-                                  W, C, d, heads, eps, n_var, TOKENS: tl.constexpr,
-                                  BAND: tl.constexpr, D_BLOCK: tl.constexpr,
-                                  SPAN_BLOCK: tl.constexpr, UNROLL: tl.constexpr,
-                                  STAGES: tl.constexpr):
+                                  weight_ptr, scaled_dm_ptr, exponent_ptr, token_ptr, H, W, C, d,
+                                  heads, eps, n_var, TOKENS: tl.constexpr, BAND: tl.constexpr,
+                                  D_BLOCK: tl.constexpr, SPAN_BLOCK: tl.constexpr,
+                                  UNROLL: tl.constexpr, STAGES: tl.constexpr):
     """For tokens w of token row i of image b (program (b H + i, block)): dL/dm (two planes (2,
     B, N, C) as :func:`_store_scaled` stores them; for 16-bit tokens the exponents (2, B, heads,
-    N)), per token mean_ln, var_ln and the gradient of Eq. 2 as dx = ... + x beta + alpha
-    (``token_ptr``, (B N, 4)) and the program's share of the gradient of a^h (heads, 3)."""
+    N)) and per token mean_ln, var_ln and the gradient of Eq. 2 as dx = ... + x beta + alpha
+    (``token_ptr``, (B N, 4))."""
     row, block = tl.program_id(0), tl.program_id(1)
     b, i = row // H, row % H
     w = block * TOKENS + tl.arange(0, TOKENS)
@@ -451,15 +463,14 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
     plane = (tl.num_programs(0) // H).to(tl.int64) * H * W * C  # B N C
     exponent_plane = (tl.num_programs(0) // H) * heads * H * W  # B heads N
     x_image, g_image, dm_image = x_ptr + image, g_ptr + image, scaled_dm_ptr + image
-    program = row * tl.num_programs(1) + block
     mean_ln, var_ln = _ln_statistics(x_image, i, w, W, C, d, heads, n_var, D_BLOCK)
     tok1 = tl.zeros([TOKENS], tl.float32)  # sum_c D1 lambda_m
     tok2 = tl.zeros([TOKENS], tl.float32)  # sum_c D2 lambda_v
     for head in range(heads):
-        (x, mask, offsets, channel, real, centre, p_y, p_x, bands, first, var_it, lam_m, kap_m,
-         lam_v, kap_v, rstd, xhat) = _head_standardised(
-             x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, w, head, H, W, C, d,
-             mean_ln, var_ln, eps, BAND, D_BLOCK, SPAN_BLOCK, UNROLL, STAGES)
+        (x, mask, offsets, _, _, _, _, _, first, var_it, lam_m, kap_m, lam_v, kap_v, rstd, xhat,
+         _, _, _) = _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, w,
+                                       head, H, W, C, d, mean_ln, var_ln, eps, 0.0, 0.0, False,
+                                       BAND, D_BLOCK, SPAN_BLOCK, UNROLL, STAGES)
         gamma = _channel_row(weight_ptr + head * d, d, D_BLOCK)
         g, _, _ = _head_tokens(g_image, i, w, head, W, C, d, D_BLOCK)
         d1 = g * gamma * rstd
@@ -473,13 +484,6 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
         _store_scaled(dm_image, exponents, i * W + w, w < W, offsets, mask, dm_first)
         _store_scaled(dm_image + plane, exponents + exponent_plane, i * W + w, w < W, offsets,
                       mask, dm_second)
-        da1, da2, da3 = _coefficient_sums(x_image, 0, W * C, C, dm_first, dm_second, centre,
-                                          p_y, p_x, bands, i, w, H, W, channel, real, True,
-                                          BAND, D_BLOCK, UNROLL, STAGES)
-        coef = coef_ptr + (program * heads + head) * 3
-        tl.store(coef, da1)
-        tl.store(coef + 1, da2)
-        tl.store(coef + 2, da3)
     # the gradient through Eq. 2 (function.ln_gradient): dx = ... + x beta + alpha
     beta = -tok2 / n_var
     alpha = -tok1 / C - beta * tl.reshape(mean_ln, [TOKENS])
@@ -494,16 +498,17 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
 @triton.jit(do_not_specialize=['H', 'W', 'rows'])
 def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr,
                                  weight_ptr, scaled_dm_ptr, exponent_ptr, token_ptr, dx_ptr,
-                                 partial_ptr, H, W, C, d, rows, eps, TOKENS: tl.constexpr,
-                                 BAND: tl.constexpr, D_BLOCK: tl.constexpr,
+                                 partial_ptr, coef_ptr, H, W, C, d, rows, eps,
+                                 TOKENS: tl.constexpr, BAND: tl.constexpr, D_BLOCK: tl.constexpr,
                                  SPAN_BLOCK: tl.constexpr, UNROLL: tl.constexpr,
                                  STAGES: tl.constexpr):
     """dx of head ``program_id(2)``'s channels of tokens w of up to ``rows`` token rows i of image
     b (program (b R + k, block, head) takes rows k rows ... k rows + rows - 1, R = ceil(H /
-    rows)): D1 + x beta + alpha + dL/dT_0 + 2 (x - centre) dL/dT_1; and the sums of xhat g, g,
+    rows)): D1 + x beta + alpha + dL/dT_0 + 2 (x - centre) dL/dT_1; the sums of xhat g, g,
     (mu_ln - mu_it) D1 and (var_ln - var_it) D2 over all its tokens
     (:data:`.triton_kernels.TIED_SUMS`), for the head's channels of the sums (4, C) of program (b R
-    + k, block)."""
+    + k, block); and the program's share of the gradient of a^h, of (programs, heads, 3), formed
+    in the walk that forms m again."""
     row_block, block, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row_blocks = tl.cdiv(H, rows)
     b, first_row = row_block // row_blocks, (row_block % row_blocks) * rows
@@ -512,23 +517,32 @@ def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, rat
     batch, heads = tl.num_programs(0) // row_blocks, tl.num_programs(2)
     plane = batch.to(tl.int64) * H * W * C  # B N C
     exponent_plane = batch * heads * H * W  # B heads N
-    x_image, g_image = x_ptr + image, g_ptr + image
+    x_image, g_image, dm_image = x_ptr + image, g_ptr + image, scaled_dm_ptr + image
     exponents = exponent_ptr + (b * heads + head) * H * W
     gamma = _channel_row(weight_ptr + head * d, d, D_BLOCK)
     xhat_g = tl.zeros([D_BLOCK], tl.float32)
     g_sum = tl.zeros([D_BLOCK], tl.float32)
     mean_d1 = tl.zeros([D_BLOCK], tl.float32)  # (mu_ln - mu_it) D1
     var_d2 = tl.zeros([D_BLOCK], tl.float32)  # (var_ln - var_it) D2
+    share1 = tl.sum(tl.zeros([TOKENS], tl.float32), axis=0)  # of the gradient of a^h
+    share2, share3 = share1, share1
     for i in range(first_row, tl.minimum(first_row + rows, H)):
         token = token_ptr + (b.to(tl.int64) * H * W + i * W + w) * 4
         mean_ln = tl.load(token, mask=w < W, other=0.0)[:, None]
         var_ln = tl.load(token + 1, mask=w < W, other=0.0)[:, None]
         beta = tl.load(token + 2, mask=w < W, other=0.0)[:, None]
         alpha = tl.load(token + 3, mask=w < W, other=0.0)[:, None]
-        x, mask, offsets, channel, real, centre, p_y, p_x, _, first, var_it, _, _, _, _, rstd, \
-            xhat = _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, w,
-                                      head, H, W, C, d, mean_ln, var_ln, eps, BAND, D_BLOCK,
-                                      SPAN_BLOCK, UNROLL, STAGES)
+        mask, offsets = _head_offsets(i, w, head, W, C, d, D_BLOCK)
+        dm_first, dm_second = _source(dm_image, plane, exponents, exponent_plane, i * W + w,
+                                      w < W, offsets, mask, 0.0, False)
+        (x, mask, offsets, channel, real, centre, p_y, p_x, first, var_it, _, _, _, _, rstd, xhat,
+         da1, da2, da3) = _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b,
+                                             i, w, head, H, W, C, d, mean_ln, var_ln, eps,
+                                             dm_first, dm_second, True, BAND, D_BLOCK,
+                                             SPAN_BLOCK, UNROLL, STAGES)
+        share1 += da1
+        share2 += da2
+        share3 += da3
         g, _, _ = _head_tokens(g_image, i, w, head, W, C, d, D_BLOCK)
         d1 = g * gamma * rstd
         d2 = d1 * xhat * rstd
@@ -537,9 +551,10 @@ def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, rat
         mean_d1 += tl.sum((mean_ln - first - centre) * d1, axis=0)
         var_d2 += tl.sum((var_ln - var_it) * d2, axis=0)
         bands = _bands(p_y, p_x, i, w, H, W, True, SPAN_BLOCK)  # of the transposed factors
-        dt_first, dt_second = _products(scaled_dm_ptr + image, plane, exponents, exponent_plane,
-                                        centre, p_y, p_x, bands, i, w, H, W, W * C, C, channel,
-                                        real, False, True, BAND, D_BLOCK, UNROLL, STAGES)
+        dt_first, dt_second, _, _, _ = _products(dm_image, plane, exponents, exponent_plane,
+                                                 centre, p_y, p_x, bands, i, w, H, W, W * C, C,
+                                                 channel, real, 0.0, 0.0, False, True, True,
+                                                 False, BAND, D_BLOCK, UNROLL, STAGES)
         dx = d1 + x * beta + alpha + dt_first + 2.0 * (x - centre) * dt_second
         tl.store(dx_ptr + image + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
     c = tl.arange(0, D_BLOCK)
@@ -549,6 +564,10 @@ def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, rat
     tl.store(sums + C, g_sum, mask=c < d)
     tl.store(sums + 2 * C, mean_d1, mask=c < d)
     tl.store(sums + 3 * C, var_d2, mask=c < d)
+    coef = coef_ptr + (program * heads + head) * 3
+    tl.store(coef, share1)
+    tl.store(coef + 1, share2)
+    tl.store(coef + 2, share3)
 
 
 def gradient_dtype(dtype):
@@ -569,9 +588,9 @@ def rows_per_program(programs, H):
 
 def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
     """dx (x's shape and dtype), the input-gradient programs' sums (programs, 4, C) for the weight,
-    the bias and the ratios (as :func:`.triton_kernels.token_gradients`') and the token-gradient
-    programs' shares (programs, heads, 3) of the gradient of a^h, from g and x (B, N, C)
-    contiguous and the forward pass's operands: two launches."""
+    the bias and the ratios (as :func:`.triton_kernels.token_gradients`') and their shares
+    (programs, heads, 3) of the gradient of a^h, from g and x (B, N, C) contiguous and the
+    forward pass's operands: two launches."""
     B, N, C = x.shape
     operands = [x, g, centre.contiguous(), p_y.contiguous(), p_x.contiguous(),
                 ratios.contiguous(), weight.contiguous()]
@@ -582,20 +601,20 @@ def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
     exponents = x.new_empty(2, B, grid.heads, N if dm.dtype != torch.float32 else 0,
                             dtype=torch.uint8)
     token = x.new_empty(B * N, 4, dtype=torch.float32)
-    coefficients = x.new_empty(programs[0] * programs[1], grid.heads, 3, dtype=torch.float32)
-    launch('triton.fused_token_gradients', spec, programs, operands,
-           [dm, exponents, token, coefficients], *operands, dm, exponents, token, coefficients,
-           grid.H, grid.W, C, grid.d, grid.heads, float(eps), float(n_var))
+    launch('triton.fused_token_gradients', spec, programs, operands, [dm, exponents, token],
+           *operands, dm, exponents, token, grid.H, grid.W, C, grid.d, grid.heads, float(eps),
+           float(n_var))
     dx = torch.empty_like(x)
     spec = specs[2]
     blocks = cdiv(grid.W, spec[1]['TOKENS'])
     rows = rows_per_program(B * grid.H * blocks * grid.heads, grid.H)
     programs = (B * cdiv(grid.H, rows), blocks, grid.heads)
     partial = x.new_empty(programs[0] * programs[1], SUM_ROWS.value, C, dtype=torch.float32)
+    shares = x.new_empty(programs[0] * programs[1], grid.heads, 3, dtype=torch.float32)
     launch('triton.fused_input_gradient', spec, programs, [*operands, dm, exponents, token],
-           [dx, partial], *operands, dm, exponents, token, dx, partial, grid.H, grid.W, C, grid.d,
-           rows, float(eps))
-    return dx, partial, coefficients
+           [dx, partial, shares], *operands, dm, exponents, token, dx, partial, shares, grid.H,
+           grid.W, C, grid.d, rows, float(eps))
+    return dx, partial, shares
 
 
 # ---------------------------------------------------------------------------- specialisations
