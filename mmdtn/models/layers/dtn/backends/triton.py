@@ -1,10 +1,11 @@
 """The GPU backend: DTN's full-resolution passes in Triton kernels (:mod:`.triton_kernels`).
 
 Supports CUDA tensors in float16, bfloat16 and float32 (read as they are; statistics in float32,
-the output in x's dtype), any H x W, any channel count and pooling, both statistics conventions;
-``auto`` takes it for CUDA tensors. Not float64: the kernels compute in float32, and float64 runs
-on the ``torch`` backend. Needs ``triton``, which comes with PyTorch's CUDA builds; with
-``TRITON_INTERPRET=1`` the kernels also run, slowly, on CPU tensors (for tests).
+the output in x's dtype), any H x W, any channel count and pooling, both statistics conventions
+(the reference code's group-RMS prenormalisation runs before, in float32, and its result comes
+in float32); ``auto`` takes it for CUDA tensors. Not float64: the kernels compute in float32, and
+float64 runs on the ``torch`` backend. Needs ``triton``, which comes with PyTorch's CUDA builds;
+with ``TRITON_INTERPRET=1`` the kernels also run, slowly, on CPU tensors (for tests).
 
 Four kernels read and write the tokens: the moments T of the cells (x read once), the output (x
 read, y written), and backward the token gradients (g and x read, dL/dm of the cells written) and
