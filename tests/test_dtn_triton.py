@@ -190,9 +190,11 @@ def test_fused_passes_take_the_tiles_of_the_gpus_architecture(
 
 
 def outputs_and_gradients(norm, x, hw):
+    """y and the gradients of x and of every parameter for dL/dy = :func:`loss_weights` (the loss
+    summed in float32, for 16-bit tokens too)."""
     x = x.detach().requires_grad_()
     y = norm(x, hw)
-    return [y, *torch.autograd.grad((y * loss_weights(y)).sum(), [x, *norm.parameters()])]
+    return [y, *torch.autograd.grad((y.float() * loss_weights(y)).sum(), [x, *norm.parameters()])]
 
 
 @pytest.mark.parametrize('hw,pool,heads,B', [
@@ -570,10 +572,7 @@ def test_reference_compat_prenormalises_half_precision_tokens_in_float32(triton_
     results = []
     for backend in ('triton', 'torch'):
         set_dtn_backend(backend)
-        xb = x.detach().requires_grad_()
-        y = norm(xb, (6, 7))
-        grads = torch.autograd.grad((y.float() * loss_weights(y)).sum(), [xb, *norm.parameters()])
-        results.append([y, *grads])
+        results.append(outputs_and_gradients(norm, x, (6, 7)))
     for k, (a, b) in enumerate(zip(*results)):
         tol = torch.finfo(dtype).eps if k < 2 else 1e-4
         assert (a.float() - b.float()).abs().max() <= tol * b.float().abs().max(), k
