@@ -23,6 +23,7 @@ from mmdtn.models.layers.dtn.backends import triton as triton_backend
 from mmdtn.models.layers.dtn.backends import (
     triton_band, triton_cells, triton_fused, triton_kernels, triton_parameters)
 from mmdtn.models.layers.dtn.backends.base import Backend, recording_launches
+from mmdtn.models.layers.dtn.backends.triton_launch import LaunchOptions
 from mmdtn.models.layers.dtn.function import TokenMoments
 from mmdtn.models.layers.dtn.gates import channel_ratios
 from mmdtn.models.layers.dtn.grid import TokenGrid
@@ -160,11 +161,13 @@ def test_fused_passes_take_the_tiles_of_the_gpus_architecture(
         triton_dtn, fused_passes, monkeypatch):
     """A GPU's compute capability selects the fused kernels' tiles: where ARCH_TILES has its own
     for a kernel and head width (here, as tune_fused_tiles.py would write them, 2 warps for the
-    token gradients of heads of 32 channels on sm_80), that GPU takes them, and other GPUs and
-    the interpreter TILES'. With sm_80's tiles the layer equals the dense reference, forward and
-    every gradient."""
+    token gradients of heads of 32 channels on sm_80, and for the output 8 warps of at most 128
+    registers a thread), that GPU takes them, and other GPUs and the interpreter TILES'; a
+    register cap reaches the launch. With sm_80's tiles the layer equals the dense reference,
+    forward and every gradient."""
     assert triton_fused.architecture(torch.device('cpu')) is None
-    monkeypatch.setattr(triton_fused, 'ARCH_TILES', {80: {'token_gradients': {32: (16, 2)}}})
+    monkeypatch.setattr(triton_fused, 'ARCH_TILES', {80: {'token_gradients': {32: (16, 2)},
+                                                          'output': {32: (16, 8, 128)}}})
     triton_fused.specializations.cache_clear()
     try:
         assert triton_fused.tiles('token_gradients', 32, 80) == (16, 2)
@@ -184,7 +187,8 @@ def test_fused_passes_take_the_tiles_of_the_gpus_architecture(
         norm = randomize(DynamicTokenNorm(64, 2, eps=1e-5)).float().to(DEVICE)  # heads of 32
         x = tokens(1, 5, 18, 64, torch.float32).to(DEVICE)
         assert max(relative_errors(norm, x, (5, 18))) < 1e-5
-        assert warps['triton.fused_token_gradients'] == 2, warps
+        assert warps['triton.fused_token_gradients'] == LaunchOptions(2), warps
+        assert warps['triton.fused_output'] == LaunchOptions(8, 128), warps
     finally:
         triton_fused.specializations.cache_clear()
 

@@ -130,6 +130,43 @@ def test_tile_tuning_tool():
                       'print(t.spills("tokens", 90, "float16"))')
 
 
+def test_tuning_times_the_nearest_candidates_that_do_not_spill():
+    """``--candidates N`` times the first N candidates that do not spill (those that spill are
+    named, not timed); the fused tiles' candidates come after the current tables, the nearest
+    first: the same tokens and walk with another register cap or other warps, more warps before
+    fewer. Compiled for sm_90, the input gradient for heads of 32 channels with 16 warps (at most
+    128 registers a thread) and the token gradients for heads of 64 channels with 8 warps capped
+    at 128 registers do not spill, and an SM holds 16 of their warps (8 with the tables)."""
+    assert_tool_check(textwrap.dedent('''
+        import compile_kernels as ck
+        import tune_fused_tiles as t
+        from tuning import unspilled
+        spilling = {'b': 8, 'd': 16}
+        kept = list(unspilled('abcdef', lambda c: spilling.get(c, 0), 2))
+        bad = kept != [('a', 0), ('b', 8), ('c', 0)]
+        bad |= [c for c, _ in unspilled('abc', lambda c: 0, None)] != list('abc')
+        walk = (2, 1)
+        t.set_candidate('input_gradient', 32, None, ((16, 8), walk))
+        ordered = t.candidates('input_gradient', 32, None)
+        bad |= sorted(ordered) != sorted(set(t.CANDIDATES) | {((16, 8), walk)})
+        bad |= ordered[:6] != [((16, 8), walk), ((16, 8, 128), walk), ((16, 16), walk),
+                               ((16, 4), walk), ((16, 4, 128), walk), ((16, 2), walk)]
+
+        def occupancy(kernel, d, tiles):
+            t.set_candidate(kernel, d, None, (tiles, walk))
+            spec = t.module(kernel).specializations(d)[t.KERNELS[kernel][1]]
+            regs, spills, shared, stack = ck.compile_for(
+                *spec, 'float16', ck.attributes(spec[0], spec[1], dict(C=d, d=d)), 90)
+            return spills + stack, ck.resident_warps(regs, spec[2].num_warps, shared, 90)
+
+        bad |= occupancy('input_gradient', 32, (16, 8)) != (0, 8)
+        bad |= occupancy('input_gradient', 32, (16, 16)) != (0, 16)
+        bad |= occupancy('token_gradients', 64, (16, 4)) != (0, 8)
+        bad |= occupancy('token_gradients', 64, (16, 8, 128)) != (0, 16)
+        print(int(bad))
+        '''))
+
+
 def test_fused_tile_tuning_tool():
     """tools/analysis/tune_fused_tiles.py, in the interpreter on grids 25 and 10 times smaller,
     two candidates of the fused token gradients and of the cell products' backward: y and dx equal

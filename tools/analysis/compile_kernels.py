@@ -51,6 +51,7 @@ from mmdtn import DynamicTokenNorm
 from mmdtn.models.layers.dtn.module import DTN_INITS
 from mmdtn.models.layers.dtn.backends import triton_band, triton_fused, triton_parameters
 from mmdtn.models.layers.dtn.backends.base import recording_launches
+from mmdtn.models.layers.dtn.backends.triton_launch import launch_options
 from mmdtn.models.layers.dtn.backends.triton_kernels import TOKEN_POINTERS, specializations
 
 MODELS = {
@@ -172,10 +173,17 @@ def divisible(kernel, attrs):
 
 
 def job_key(kernel, constexprs, warps, dtype, attrs):
-    """What tells one compilation from another: the kernel's name, its constexprs, warps, the
-    tokens' dtype and the integer arguments specialised as multiples of 16."""
-    return (kernel.fn.__name__, tuple(sorted(constexprs.items())), warps, dtype,
+    """What tells one compilation from another: the kernel's name, its constexprs, its launch
+    options (warps and register cap), the tokens' dtype and the integer arguments specialised as
+    multiples of 16."""
+    return (kernel.fn.__name__, tuple(sorted(constexprs.items())), launch_options(warps), dtype,
             divisible(kernel, attrs))
+
+
+def job_order(job):
+    """Sorts (:func:`job_key`, job) pairs by their keys, a register cap of None first."""
+    (name, constexprs, options, *rest), _ = job
+    return name, constexprs, options.num_warps, options.maxnreg or 0, *rest
 
 
 @contextlib.contextmanager
@@ -294,12 +302,13 @@ def resources(compiled, arch):
 
 def compile_for(kernel, constexprs, warps, dtype, attrs, arch):
     """Registers, spilled bytes, shared memory and stack frame (:func:`resources`) of ``kernel``
-    with ``constexprs``, ``warps`` and attributes ``attrs`` (:func:`attributes`) compiled for
-    sm_<arch>, for tokens of ``dtype``."""
+    with ``constexprs``, ``warps`` (a number of warps or the launch options,
+    :func:`~mmdtn.models.layers.dtn.backends.triton_launch.launch_options`) and attributes
+    ``attrs`` (:func:`attributes`) compiled for sm_<arch>, for tokens of ``dtype``."""
     source = ASTSource(fn=kernel, signature=signature(kernel, constexprs, dtype),
                        constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget('cuda', arch, 32),
-                              options=dict(num_warps=warps))
+                              options=launch_options(warps).kwargs())
     return resources(compiled, arch)
 
 
@@ -349,15 +358,17 @@ def main():
         launched[arch] = len(jobs), check_launches(
             tqdm(layer_launches(set().union(*grids.values()), conventions, args.dtypes, arch),
                  desc=f'launches on sm_{arch}', disable=args.json), jobs, arch)
-        for (name, _, warps, dtype, multiples), (kernel, constexprs, _, _, attrs) in tqdm(
-                sorted(jobs.items()), desc=f'sm_{arch}', disable=args.json):
-            registers, spills, shared, stack = compile_for(kernel, constexprs, warps, dtype,
+        for (name, _, options, dtype, multiples), (kernel, constexprs, _, _, attrs) in tqdm(
+                sorted(jobs.items(), key=job_order), desc=f'sm_{arch}', disable=args.json):
+            registers, spills, shared, stack = compile_for(kernel, constexprs, options, dtype,
                                                            attrs, arch)
-            rows.append(dict(kernel=name, arch=arch, dtype=dtype, num_warps=warps,
+            rows.append(dict(kernel=name, arch=arch, dtype=dtype, num_warps=options.num_warps,
+                             max_registers=options.maxnreg,
                              constexprs=constexprs, multiples_of_16=list(multiples),
                              registers=registers, spills=spills,
                              shared_bytes=shared, stack_bytes=stack,
-                             resident_warps=(resident_warps(registers, warps, shared, arch)
+                             resident_warps=(resident_warps(registers, options.num_warps, shared,
+                                                            arch)
                                              if arch in LIMITS else None),
                              within_limits=(spills == stack == 0
                                             and shared <= LIMITS[arch]['shared_bytes']
@@ -380,7 +391,8 @@ def main():
         print(f"{r['kernel']:<34}{r['arch']:>5}{r['dtype']:>10}{r['num_warps']:>6}"
               f"{r['registers']:>6}{r['spills']:>8}{r['stack_bytes']:>7}{r['shared_bytes']:>8}"
               f"{r['resident_warps'] or '-':>9}  "
-              f"{','.join(r['multiples_of_16']) or '-'} {r['constexprs']}")
+              f"{','.join(r['multiples_of_16']) or '-'} {r['constexprs']}"
+              + (f" maxnreg={r['max_registers']}" if r['max_registers'] else ''))
     bad = [r for r in rows if r['within_limits'] is False]
     print(f'\n{len(rows)} compilations, {len(jobs)} specialisations per arch; '
           f'{len(bad)} with spills or over the shared-memory limit')

@@ -12,7 +12,8 @@ For every operand (``matrices``: P X, ``transposed``: P^T X, ``tokens``: P_x T r
 and the outer products of both kinds), each candidate is:
 
 1. compiled for the GPU's architecture without running (as ``compile_kernels.py``); candidates
-   that spill registers are left out;
+   that spill registers are named and left out, and do not count towards ``--candidates N``
+   (the first N that do not spill are timed);
 2. run on the DTN grids of the layer benchmark's stages (``benchmark_norm.STAGES``, batch 2), with
    the positional factors of a layer at its initialisation; its products must equal those of the
    first candidate (the current tiles) to 1e-4 of their largest value;
@@ -35,7 +36,7 @@ from tqdm import tqdm
 
 from benchmark_norm import DTYPES, selected_stages, stage_label
 from tuning import (add_tuning_arguments, fastest, print_rows, spilled_bytes, tables_literal,
-                    target)
+                    target, unspilled)
 from mmdtn import DynamicTokenNorm
 from mmdtn.models.layers.dtn import function
 from mmdtn.models.layers.dtn.backends import triton_band, triton_kernels
@@ -165,24 +166,29 @@ def largest_difference(results, references):
                for a, b in zip(results, references))
 
 
-def candidates(operand, count):
-    """The current tiles of ``operand``, then the other candidates: ``count`` in all (or all)."""
+def candidates(operand):
+    """The current tiles of ``operand``, then the other candidates."""
     table, key, listed = OPERANDS[operand]
     current = dict(getattr(triton_band, table)[key])
-    return ([current] + [c for c in listed if c != current])[:count]
+    return [current] + [c for c in listed if c != current]
 
 
 def tune(operand, stages, device, arch, dtype, iters, count, progress):
     """Rows (tiles, total us or None where it spills, us per stage, difference) of the candidates
-    of ``operand``, and the fastest; its tiles are left in the table."""
+    of ``operand``, ``count`` of them timed (:func:`.tuning.unspilled`), and the fastest; its
+    tiles are left in the table."""
     references = {label: [t.clone() for t in run(s.calls(operand))] for label, s in stages.items()}
-    rows = []
-    for tiles in candidates(operand, count):
+
+    def spilled(tiles):
         set_tiles(operand, tiles)
-        progress.update()
-        if spills(operand, arch, dtype):
+        return spills(operand, arch, dtype)
+
+    rows = []
+    for tiles, spill in unspilled(candidates(operand), spilled, count):
+        if spill:
             rows.append((tiles, None, [], None))
             continue
+        progress.update()
         times, difference = [], 0.0
         for label, s in stages.items():
             calls = s.calls(operand)
@@ -218,8 +224,9 @@ def main():
     print(f'Band products on {header}, {args.dtype} tokens, batch {args.batch}: '
           f'us per call of each stage\'s products, best of 3 x {args.iters}')
     print('stages: ' + ', '.join(stages), flush=True)
-    progress = tqdm(total=sum(len(candidates(operand, count)) for operand in operands),
-                    desc='candidates')
+    progress = tqdm(total=sum(min(count or len(candidates(operand)), len(candidates(operand)))
+                              for operand in operands),
+                    desc='candidates timed')
     for operand in operands:
         rows, best = tune(operand, stages, device, arch, args.dtype, args.iters, count, progress)
         progress.clear()

@@ -13,10 +13,12 @@ it has for the GPU's architecture, else into ``TILES``.
 For every kernel (the fused output, token gradients and input gradient; the cell products and
 their backward) and head width (channels per head, padded to 32 or 64, and for the cell products
 to 16) of the chosen stages that run it (without pooling; with pooling), each candidate (tokens
-or cells of a row per program, warps; rows of P_y^h's band a step, loads in flight) is:
+or cells of a row per program, warps; rows of P_y^h's band a step, loads in flight), the current
+tables first and then the nearest to them (other warps first: :func:`candidates`), is:
 
 1. compiled for the GPU's architecture without running (as ``compile_kernels.py``); candidates
-   that spill registers are left out;
+   that spill registers are named and left out, and do not count towards ``--candidates N``
+   (the first N that do not spill are timed);
 2. run as the layer runs it, forward and backward, on the layer benchmark's stages
    (``benchmark_norm.STAGES``) whose heads have that width, batch 2, with a layer at its
    initialisation; y and dx must equal those of the first candidate (the current tables) to
@@ -37,6 +39,7 @@ interpreter on grids 20 times smaller (a check of the tool; the times mean nothi
 """
 import argparse
 import itertools
+import math
 import statistics
 import time
 
@@ -46,7 +49,7 @@ from tqdm import tqdm
 import benchmark_norm as bench
 from benchmark_norm import DTYPES, selected_stages, stage_label
 from tuning import (add_tuning_arguments, fastest, print_rows, spilled_bytes, tables_literal,
-                    target)
+                    target, unspilled)
 from mmdtn import set_dtn_backend
 from mmdtn.models.layers.dtn.backends import triton_cells, triton_fused
 
@@ -55,9 +58,16 @@ from mmdtn.models.layers.dtn.backends import triton_cells, triton_fused
 KERNELS = {'output': (triton_fused, 0), 'token_gradients': (triton_fused, 1),
            'input_gradient': (triton_fused, 2), 'products': (triton_cells, 0),
            'products_backward': (triton_cells, 1)}
-#: Candidates: (tokens, warps) of TILES and (rows a step, loads in flight) of WALKS.
+#: Candidates: (tokens, warps[, registers a thread]) of TILES and (rows a step, loads in flight)
+#: of WALKS. ptxas gives a thread what it is allowed (255 registers for programs of up to 8 warps,
+#: 128 for 16) and often needs far less: on sm_90 (``compile_kernels.py``) the input gradient for
+#: heads of 32 channels takes 225-251 registers with 8 warps but 102 with 16 (16-bit tokens), and
+#: the token gradients for heads of 64 channels 188 with 8 warps but 108-114 capped at 128, without
+#: spills; so that an SM holds 16 of their warps instead of 8. Not yet timed.
 CANDIDATES = [(tile, walk) for tile, walk in itertools.product(
-    [(16, 4), (16, 8), (16, 2), (32, 4), (32, 8), (32, 2)], [(1, 1), (2, 1), (2, 2)])]
+    [(16, 4), (16, 4, 128), (16, 8), (16, 8, 128), (16, 16), (16, 2),
+     (32, 4), (32, 4, 128), (32, 8), (32, 8, 128), (32, 16), (32, 2)],
+    [(1, 1), (2, 1), (2, 2)])]
 
 
 def module(kernel):
@@ -129,25 +139,39 @@ def tolerance(dtype):
     return max(1e-5, 2 * torch.finfo(dtype).eps)
 
 
-def candidates(kernel, d_block, arch, count):
-    """The current tiles of ``kernel`` for heads of ``d_block`` on ``arch``, then the others:
-    ``count`` in all (or all)."""
-    now = current(kernel, d_block, arch)
-    return ([now] + [c for c in CANDIDATES if c != now])[:count]
+def candidates(kernel, d_block, arch):
+    """The current tiles of ``kernel`` for heads of ``d_block`` on ``arch``, then the others, the
+    nearest first: other warps and register caps (the nearest count of warps, more before fewer,
+    the current cap before another), then other walks, then other tokens; so that a few
+    candidates (``--candidates``) try the warps an SM holds first."""
+    now = (tokens, warps, *cap), walk = current(kernel, d_block, arch)
+
+    def distance(candidate):
+        (other_tokens, other_warps, *other_cap), other_walk = candidate
+        return (other_tokens != tokens, other_walk != walk,
+                abs(math.log2(other_warps / warps)), -other_warps, other_cap != cap)
+
+    return [now] + sorted((c for c in CANDIDATES if c != now), key=distance)
 
 
 def tune(kernel, d_block, stages, device, arch, count, progress):
     """Rows (candidate, total us or None where it spills, us per stage, difference) of the
     candidates of ``kernel`` for heads of ``d_block`` on compute capability ``arch`` (the GPU's;
-    None in the interpreter), and the fastest; it is left in the tables."""
+    None in the interpreter), ``count`` of them timed (:func:`.tuning.unspilled`), and the
+    fastest; it is left in the tables."""
     references = [stage.outputs() for stage in stages]
-    rows = []
-    for candidate in candidates(kernel, d_block, arch, count):
+    dtype = str(stages[0].x.dtype).split('.')[-1]
+
+    def spilled(candidate):
         set_candidate(kernel, d_block, arch, candidate)
-        progress.update()
-        if spills(kernel, stages[0].d, arch, str(stages[0].x.dtype).split('.')[-1]):
+        return spills(kernel, stages[0].d, arch, dtype)
+
+    rows = []
+    for candidate, spill in unspilled(candidates(kernel, d_block, arch), spilled, count):
+        if spill:
             rows.append((candidate, None, [], None))
             continue
+        progress.update()
         difference = max(bench.relative_error(stage.outputs(), reference)
                          for stage, reference in zip(stages, references))
         times = [stage.microseconds(device) for stage in stages]
@@ -217,9 +241,8 @@ def main():
               f'bytes on sm_{arch}: every candidate\'s time includes that kernel\'s (their order '
               'holds); tune it too', flush=True)
     jobs = [(kernel, d_block) for kernel in args.kernels for d_block in widths[module(kernel)]]
-    progress = tqdm(total=sum(len(candidates(kernel, d_block, layout, args.candidates))
-                              for kernel, d_block in jobs),
-                    desc='candidates')
+    progress = tqdm(total=len(jobs) * min(args.candidates or len(CANDIDATES), len(CANDIDATES)),
+                    desc='candidates timed')
     for kernel, d_block in jobs:
         rows, best = tune(kernel, d_block, list(by_width[module(kernel)][d_block].values()),
                           device, layout, args.candidates, progress)

@@ -16,7 +16,8 @@ def add_tuning_arguments(parser, what):
     parser.add_argument('--dtype', default='float16', choices=sorted(DTYPES))
     parser.add_argument('--batch', type=int, default=2)
     parser.add_argument('--candidates', type=int, default=None,
-                        help=f'only the first N candidates of every {what}')
+                        help=f'time only the first N candidates of every {what} that do not '
+                        'spill (those that spill are named, not timed)')
     parser.add_argument('--shrink', type=int, default=1,
                         help='divide H and W of every grid by this (interpreter checks)')
     parser.add_argument('--arch', type=int, default=None,
@@ -35,18 +36,32 @@ def target(args):
 
 
 def spilled_bytes(spec, dtype, arch, channels=None):
-    """Bytes spilled by ``spec`` = (kernel, constexprs, num_warps) compiled for sm_<arch>, tokens
-    of ``dtype`` (its name), for a layer of C and d as in ``channels`` (a dict; none for the band
-    products, which do not specialise on them; :func:`.compile_kernels.attributes`): ptxas's
-    report, or the stack frame of Triton's cubin where that is larger
-    (:func:`.compile_kernels.resources`); None in Triton's interpreter, whose kernels do not
-    compile."""
+    """Bytes spilled by ``spec`` = (kernel, constexprs, warps or launch options) compiled for
+    sm_<arch>, tokens of ``dtype`` (its name), for a layer of C and d as in ``channels`` (a dict;
+    none for the band products, which do not specialise on them;
+    :func:`.compile_kernels.attributes`): ptxas's report, or the stack frame of Triton's cubin
+    where that is larger (:func:`.compile_kernels.resources`); None in Triton's interpreter, whose
+    kernels do not compile."""
     if interpreting():
         return None
     kernel, constexprs, warps = spec
     _, spills, _, stack = compile_for(kernel, constexprs, warps, dtype,
                                       attributes(kernel, constexprs, channels or {}), arch)
     return max(spills, stack)
+
+
+def unspilled(candidates, spills, count):
+    """``candidates`` in order, each as (candidate, bytes spilled) with ``spills(candidate)``,
+    which puts it in the tables and compiles it (:func:`spilled_bytes`), until ``count`` that do
+    not spill have come (all where ``count`` is None): a candidate that spills is left out
+    without running, so it does not count."""
+    timed = 0
+    for candidate in candidates:
+        if count is not None and timed >= count:
+            return
+        spilled = spills(candidate)
+        timed += not spilled
+        yield candidate, spilled
 
 
 def fastest(rows, tolerance):

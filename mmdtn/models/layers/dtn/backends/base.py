@@ -193,7 +193,7 @@ def per_head(grads, heads):
 class KernelLaunch:
     """One launch of a compiled kernel: its name, the bytes it reads and writes and, where its
     tensors are meta tensors (recorded, never launched), ``call``: (kernel, constexprs,
-    num_warps, args), from which Triton's own binder tells what it would compile
+    warps or launch options, args), from which Triton's own binder tells what it would compile
     (``compile_kernels.py``); None otherwise, so that no record keeps a real tensor alive."""
 
     __slots__ = ('name', 'read', 'written', 'call')

@@ -35,7 +35,7 @@ import triton.language as tl
 from . import triton_fused as fused
 from .triton_band import SPAN_BLOCK
 from .triton_kernels import _image, _layout
-from .triton_launch import cdiv, launch
+from .triton_launch import LaunchOptions, cdiv, launch
 
 __all__ = ['can_form_products', 'forms_products', 'cell_products', 'cell_products_backward',
            'specializations', 'head_block', 'tiles_table', 'TILES', 'WALKS']
@@ -45,12 +45,13 @@ __all__ = ['can_form_products', 'forms_products', 'cell_products', 'cell_product
 #: (the band products) and leaves the passes without pooling as they are: these kernels have not
 #: yet been timed on a GPU, where the band products have (read at import).
 ENABLED = os.environ.get('MMDTN_TRITON_CELL_PRODUCTS', '1') != '0'
-#: (cells of a cell row per program, warps) by kernel and head width (channels, padded to 16, 32
-#: or 64: :func:`head_block`); the cells are the rows of P_x in one tl.dot (at least 16). Chosen as
-#: the fused token-gradient pass's tiles (:data:`.triton_fused.TILES`), a program of which holds
-#: more; compiled without spills on sm_80 and sm_90 (``compile_kernels.py``), not yet timed on a
-#: GPU: ``tools/analysis/tune_fused_tiles.py --kernels products products_backward`` times
-#: candidates on the GPU at hand and prints the tables to put here.
+#: (cells of a cell row per program, warps[, registers a thread]) by kernel and head width
+#: (channels, padded to 16, 32 or 64: :func:`head_block`), as :data:`.triton_fused.TILES`; the cells
+#: are the rows of P_x in one tl.dot (at least 16). Chosen as the fused token-gradient pass's tiles,
+#: a program of which holds more; compiled without spills on sm_80 and sm_90
+#: (``compile_kernels.py``), not yet timed on a GPU: ``tools/analysis/tune_fused_tiles.py --kernels
+#: products products_backward`` times candidates on the GPU at hand and prints the tables to put
+#: here.
 TILES = {
     'products': {16: (16, 4), 32: (16, 4), 64: (16, 4)},
     'products_backward': {16: (16, 4), 32: (16, 4), 64: (16, 4)},
@@ -204,15 +205,15 @@ def tiles_table(name, d_block, arch=None):
 
 def _spec(kernel, name, d):
     d_block = head_block(d)
-    cells, warps = TILES[name][d_block]
+    cells, *options = TILES[name][d_block]
     unroll, stages = WALKS[name][d_block]
     return kernel, dict(CELLS=cells, BAND=fused.BAND, D_BLOCK=d_block, SPAN_BLOCK=SPAN_BLOCK,
-                        UNROLL=unroll, STAGES=stages), warps
+                        UNROLL=unroll, STAGES=stages), LaunchOptions(*options)
 
 
 @functools.lru_cache(maxsize=None)
 def specializations(d, arch=None):
-    """(kernel, constexprs, num_warps) of the products and their backward for heads of d
+    """(kernel, constexprs, launch options) of the products and their backward for heads of d
     channels (the same on every architecture ``arch``)."""
     return (_spec(_products_kernel, 'products', d),
             _spec(_products_backward_kernel, 'products_backward', d))

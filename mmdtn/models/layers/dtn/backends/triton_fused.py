@@ -69,7 +69,7 @@ import triton.language as tl
 
 from .triton_band import SPAN_BLOCK, _band, _weights
 from .triton_kernels import SUM_ROWS, _channel_row, _ratio_rows, _standardised
-from .triton_launch import cdiv, launch
+from .triton_launch import LaunchOptions, cdiv, launch
 
 __all__ = ['can_fuse', 'fuses', 'fused_output', 'fused_backward', 'specializations',
            'architecture', 'tiles', 'tiles_table', 'gradient_dtype', 'MAX_HEAD_CHANNELS',
@@ -97,26 +97,27 @@ ENABLED = os.environ.get('MMDTN_TRITON_FUSED', '1') != '0'
 #: sm_80 and sm_90 (:data:`TILES`, :data:`ARCH_TILES`); for 128 the token-gradients kernel spilled
 #: 16 bytes or more with every tile tried. Wider heads run the staged passes.
 MAX_HEAD_CHANNELS = 64
-#: (tokens of a token row per program, warps) by kernel and head width (channels, padded to 32 or
-#: 64). On another GPU, run ``tools/analysis/tune_fused_tiles.py`` and put its tables here and in
-#: :data:`WALKS`. The output's and the token gradients' were timed on an H200 (docs/gpu.md,
-#: "Measured on an H200"): of the variants of 16 or 32 tokens and 2, 4 or 8 warps, these took the
-#: least GPU time at PVT-Tiny's and Swin-T's stages 3 and 4 without spilling on sm_90
-#: (``compile_kernels.py``); the token gradients then also formed the shares of the gradient of a^h
-#: (in a second walk over the band, now in the input gradient's first). For heads of 64 channels
-#: 16 tokens with 4 warps in the token gradients (8 before) and 16 with 8 in the output (32
-#: before) took PVT-Tiny's stage 3 from 1.08 to 0.82 ms. For heads of 32 channels the token
-#: gradients took 2 warps then, the fastest tried on the H200 (on sm_80 they spilled, and 4 did
-#: not); with one walk they spill 24-40 bytes with 2 on sm_90 for 16-bit tokens (ptxas keeps them
-#: to 168 registers), and take 4 with one band row a step (:data:`WALKS`), which spill on none of
-#: sm_80 to sm_100 (126-128 registers on sm_90: 16 warps an SM, twice as many as before; 168 on
-#: sm_80), not yet timed. The input gradient's are the compiler's choice, not yet timed: since it
-#: forms the shares of the gradient of a^h, its tiles before (32 tokens, with 4 warps for heads of
-#: 32 channels and 8 for 64) spill 24-668 bytes on sm_80 and sm_90, and 32 tokens with 8 warps
-#: 20-24 bytes for heads of 32 channels (sm_90, 16-bit tokens); 16 tokens with 8 warps spill in no
-#: dtype on either (168-254 registers). Over several token rows (:data:`PROGRAMS`) it holds the
-#: parameter sums and the shares across them. The tokens are the rows of P_x in one tl.dot (at
-#: least 16).
+#: (tokens of a token row per program, warps[, registers a thread]) by kernel and head width
+#: (channels, padded to 32 or 64); a third number caps the registers ptxas gives a thread
+#: (:class:`.triton_launch.LaunchOptions`; none of these has one yet). On another GPU, run
+#: ``tools/analysis/tune_fused_tiles.py`` and put its tables here and in :data:`WALKS`. The output's
+#: and the token gradients' were timed on an H200 (docs/gpu.md, "Measured on an H200"): of the
+#: variants of 16 or 32 tokens and 2, 4 or 8 warps, these took the least GPU time at PVT-Tiny's and
+#: Swin-T's stages 3 and 4 without spilling on sm_90 (``compile_kernels.py``); the token gradients
+#: then also formed the shares of the gradient of a^h (in a second walk over the band, now in the
+#: input gradient's first). For heads of 64 channels 16 tokens with 4 warps in the token gradients
+#: (8 before) and 16 with 8 in the output (32 before) took PVT-Tiny's stage 3 from 1.08 to 0.82 ms.
+#: For heads of 32 channels the token gradients took 2 warps then, the fastest tried on the H200 (on
+#: sm_80 they spilled, and 4 did not); with one walk they spill 24-40 bytes with 2 on sm_90 for
+#: 16-bit tokens (ptxas keeps them to 168 registers), and take 4 with one band row a step
+#: (:data:`WALKS`), which spill on none of sm_80 to sm_100 (126-128 registers on sm_90: 16 warps an
+#: SM, twice as many as before; 168 on sm_80), not yet timed. The input gradient's are the
+#: compiler's choice, not yet timed: since it forms the shares of the gradient of a^h, its tiles
+#: before (32 tokens, with 4 warps for heads of 32 channels and 8 for 64) spill 24-668 bytes on
+#: sm_80 and sm_90, and 32 tokens with 8 warps 20-24 bytes for heads of 32 channels (sm_90, 16-bit
+#: tokens); 16 tokens with 8 warps spill in no dtype on either (168-254 registers). Over several
+#: token rows (:data:`PROGRAMS`) it holds the parameter sums and the shares across them. The tokens
+#: are the rows of P_x in one tl.dot (at least 16).
 TILES = {
     'output': {32: (16, 8), 64: (16, 8)},
     'token_gradients': {32: (16, 4), 64: (16, 4)},
@@ -647,23 +648,24 @@ def tiles_table(name, d_block, arch=None):
 
 
 def tiles(name, d_block, arch=None):
-    """(tokens, warps) of kernel ``name`` for heads of ``d_block`` channels on compute capability
-    ``arch`` (:func:`tiles_table`)."""
+    """(tokens, warps[, registers a thread]) of kernel ``name`` for heads of ``d_block`` channels
+    on compute capability ``arch`` (:func:`tiles_table`)."""
     return tiles_table(name, d_block, arch)[d_block]
 
 
 def _spec(kernel, name, d, arch):
-    """(kernel, constexprs, num_warps) of one fused kernel for heads of d channels on ``arch``."""
+    """(kernel, constexprs, launch options) of one fused kernel for heads of d channels on
+    ``arch``."""
     d_block = head_block(d)
-    tokens, warps = tiles(name, d_block, arch)
+    tokens, *options = tiles(name, d_block, arch)
     unroll, stages = WALKS[name][d_block]
     return kernel, dict(TOKENS=tokens, BAND=BAND, D_BLOCK=d_block, SPAN_BLOCK=SPAN_BLOCK,
-                        UNROLL=unroll, STAGES=stages), warps
+                        UNROLL=unroll, STAGES=stages), LaunchOptions(*options)
 
 
 @functools.lru_cache(maxsize=None)
 def specializations(d, arch=None):
-    """(kernel, constexprs, num_warps) of the fused passes for heads of d channels on compute
+    """(kernel, constexprs, launch options) of the fused passes for heads of d channels on compute
     capability ``arch`` (:func:`tiles`): the output, the token gradients and the input gradient."""
     return (_spec(_fused_output_kernel, 'output', d, arch),
             _spec(_fused_token_gradients_kernel, 'token_gradients', d, arch),

@@ -11,20 +11,45 @@ the current device's stream and Triton's launch hooks as the binding path does.
 The key holds more than Triton specialises a kernel on, never less: for every tensor its dtype
 and whether its address is a multiple of 16 bytes (Triton's alignment specialisation), every
 other argument by value (integers are specialised on being 1 or a multiple of 16, and typed by
-their range), the constexprs, the number of warps and the current device (a compiled kernel is
-loaded once per device). Any argument that differs from a cached launch's is a new key, which
-binds through Triton again, so a cached kernel never runs arguments it was not compiled for.
+their range), the constexprs, the launch options (warps, register cap) and the current device
+(a compiled kernel is loaded once per device). Any argument that differs from a cached launch's
+is a new key, which binds through Triton again, so a cached kernel never runs arguments it was
+not compiled for.
 
 In Triton's interpreter (``TRITON_INTERPRET=1``) every launch binds: there are no compiled
 kernels. With meta tensors a launch is only recorded (:func:`.base.record_launch`), with its
 arguments, which gives the traffic of any shape without a GPU and what Triton would compile for
 it (``compile_kernels.py`` checks its own specialisations against those).
+
+A kernel is launched as a spec (kernel, constexprs, warps): ``warps`` is the number of warps of a
+program or :class:`LaunchOptions`, which also caps the registers of a thread.
 """
+from typing import NamedTuple, Optional
+
 import torch
 
 from .base import record_launch, recording, tensor_bytes
 
-__all__ = ['launch', 'launch_key', 'CompiledLaunches', 'cdiv']
+__all__ = ['launch', 'launch_key', 'CompiledLaunches', 'LaunchOptions', 'launch_options', 'cdiv']
+
+
+class LaunchOptions(NamedTuple):
+    """What Triton compiles a kernel with besides its arguments: the warps of a program and the
+    registers a thread may take (Triton's ``maxnreg``; None: ptxas's choice, up to 255). ptxas
+    takes what it is allowed: a cap it can keep to without spilling lets an SM hold more
+    programs at once (``compile_kernels.py`` reports both)."""
+    num_warps: int
+    maxnreg: Optional[int] = None
+
+    def kwargs(self):
+        """The options as keyword arguments of a Triton launch or ``triton.compile``."""
+        return dict(num_warps=self.num_warps,
+                    **({} if self.maxnreg is None else dict(maxnreg=self.maxnreg)))
+
+
+def launch_options(warps):
+    """The :class:`LaunchOptions` of a spec's ``warps``: a number of warps, or the options."""
+    return warps if isinstance(warps, LaunchOptions) else LaunchOptions(warps)
 
 
 def cdiv(a, b):
@@ -33,9 +58,9 @@ def cdiv(a, b):
     return -(-a // b)
 
 
-def launch_key(kernel, constexprs, num_warps, device, args):
+def launch_key(kernel, constexprs, warps, device, args):
     """What selects the compiled kernel of a launch (see the module docstring)."""
-    return (kernel, num_warps, device, *constexprs.items(),
+    return (kernel, launch_options(warps), device, *constexprs.items(),
             *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a
               for a in args])
 
@@ -50,14 +75,14 @@ class CompiledLaunches:
     def __init__(self, limit=8192):
         self.compiled, self.limit = {}, limit
 
-    def __call__(self, kernel, constexprs, num_warps, grid, args, device):
-        key = launch_key(kernel, constexprs, num_warps, device, args)
+    def __call__(self, kernel, constexprs, warps, grid, args, device):
+        key = launch_key(kernel, constexprs, warps, device, args)
         cached = self.compiled.get(key)
         if cached is not None:
             compiled, constants = cached
             compiled[(*grid, 1, 1)[:3]](*args, *constants)
             return
-        compiled = kernel[grid](*args, **constexprs, num_warps=num_warps)
+        compiled = kernel[grid](*args, **constexprs, **launch_options(warps).kwargs())
         if len(self.compiled) >= self.limit:
             self.compiled.clear()
         after = list(getattr(kernel, 'arg_names', ()))[len(args):]
@@ -69,21 +94,21 @@ _compiled_launches = CompiledLaunches()
 
 
 def launch(name, spec, grid, reads, writes, *args):
-    """Records the launch of ``spec`` = (kernel, constexprs, num_warps) on ``grid`` (1 to 3
+    """Records the launch of ``spec`` = (kernel, constexprs, warps) on ``grid`` (1 to 3
     program counts) with ``args`` and, unless the tensors are meta tensors (traffic counts only),
     launches it: on CUDA tensors through :class:`CompiledLaunches`, on the tensors' device (the
     current device is switched where it differs: Triton launches on the current one), elsewhere
     (the interpreter) through Triton's binding."""
-    kernel, constexprs, num_warps = spec
+    kernel, constexprs, warps = spec
     device = reads[0].device
     if recording():
         record_launch(name, tensor_bytes(reads), tensor_bytes(writes),
                       (*spec, args) if device.type == 'meta' else None)
     if device.type == 'cuda':
         if device.index == torch.cuda.current_device():
-            _compiled_launches(kernel, constexprs, num_warps, grid, args, device.index)
+            _compiled_launches(kernel, constexprs, warps, grid, args, device.index)
         else:  # Triton launches on the current device: make it the tensors'
             with torch.cuda.device(device):
-                _compiled_launches(kernel, constexprs, num_warps, grid, args, device.index)
+                _compiled_launches(kernel, constexprs, warps, grid, args, device.index)
     elif device.type != 'meta':
-        kernel[grid](*args, **constexprs, num_warps=num_warps)
+        kernel[grid](*args, **constexprs, **launch_options(warps).kwargs())
