@@ -136,7 +136,8 @@ def test_tuning_times_the_nearest_candidates_that_do_not_spill():
     first: the same tokens and walk with another register cap or other warps, more warps before
     fewer. Compiled for sm_90, the input gradient for heads of 32 channels with 16 warps (at most
     128 registers a thread) and the token gradients for heads of 64 channels with 8 warps capped
-    at 128 registers do not spill, and an SM holds 16 of their warps (8 with the tables)."""
+    at 128 registers (4 capped at 168) do not spill, and an SM holds 16 of their warps (12; 8
+    with the tables)."""
     assert_tool_check(textwrap.dedent('''
         import compile_kernels as ck
         import tune_fused_tiles as t
@@ -149,8 +150,9 @@ def test_tuning_times_the_nearest_candidates_that_do_not_spill():
         t.set_candidate('input_gradient', 32, None, ((16, 8), walk))
         ordered = t.candidates('input_gradient', 32, None)
         bad |= sorted(ordered) != sorted(set(t.CANDIDATES) | {((16, 8), walk)})
-        bad |= ordered[:6] != [((16, 8), walk), ((16, 8, 128), walk), ((16, 16), walk),
-                               ((16, 4), walk), ((16, 4, 128), walk), ((16, 2), walk)]
+        bad |= ordered[:7] != [((16, 8), walk), ((16, 8, 128), walk), ((16, 16), walk),
+                               ((16, 4), walk), ((16, 4, 168), walk), ((16, 4, 128), walk),
+                               ((16, 2), walk)]
 
         def occupancy(kernel, d, tiles):
             t.set_candidate(kernel, d, None, (tiles, walk))
@@ -163,6 +165,7 @@ def test_tuning_times_the_nearest_candidates_that_do_not_spill():
         bad |= occupancy('input_gradient', 32, (16, 16)) != (0, 16)
         bad |= occupancy('token_gradients', 64, (16, 4)) != (0, 8)
         bad |= occupancy('token_gradients', 64, (16, 8, 128)) != (0, 16)
+        bad |= occupancy('token_gradients', 64, (16, 4, 168)) != (0, 12)
         print(int(bad))
         '''))
 
