@@ -130,22 +130,23 @@ def test_tile_tuning_tool():
                       'print(t.spills("tokens", 90, "float16"))')
 
 
-def test_tuning_times_the_nearest_candidates_that_do_not_spill():
-    """``--candidates N`` times the first N candidates that do not spill (those that spill are
-    named, not timed); the fused tiles' candidates come after the current tables, the nearest
-    first: the same tokens and walk with another register cap or other warps, more warps before
-    fewer. Compiled for sm_90, the input gradient for heads of 32 channels with 16 warps (at most
-    128 registers a thread) and the token gradients for heads of 64 channels with 8 warps capped
-    at 128 registers (4 capped at 168) do not spill, and an SM holds 16 of their warps (12; 8
-    with the tables)."""
+def test_tuning_times_the_nearest_candidates_worth_timing():
+    """``--candidates N`` times the first N candidates not left out (named, not timed: those that
+    spill, and those whose register cap lets an SM hold no more of their warps than without it);
+    the fused tiles' candidates come after the current tables, the nearest first: the same
+    tokens and walk with another register cap or other warps, more warps before fewer. Compiled
+    for sm_90, the input gradient for heads of 32 channels with 16 warps (at most 128 registers a
+    thread) and the token gradients for heads of 64 channels with 8 warps capped at 128 registers
+    (4 capped at 168) do not spill, and an SM holds 16 of their warps (12; 8 with the tables);
+    the fused output, 24 warps an SM with 8 warps a program, would hold 16 capped at 128."""
     assert_tool_check(textwrap.dedent('''
         import compile_kernels as ck
         import tune_fused_tiles as t
-        from tuning import unspilled
-        spilling = {'b': 8, 'd': 16}
-        kept = list(unspilled('abcdef', lambda c: spilling.get(c, 0), 2))
-        bad = kept != [('a', 0), ('b', 8), ('c', 0)]
-        bad |= [c for c, _ in unspilled('abc', lambda c: 0, None)] != list('abc')
+        from tuning import timed_candidates
+        reasons = {'b': 'spills', 'd': 'no more warps'}
+        kept = list(timed_candidates('abcdef', reasons.get, 2))
+        bad = kept != [('a', None), ('b', 'spills'), ('c', None)]
+        bad |= [c for c, _ in timed_candidates('abc', lambda c: None, None)] != list('abc')
         walk = (2, 1)
         t.set_candidate('input_gradient', 32, None, ((16, 8), walk))
         ordered = t.candidates('input_gradient', 32, None)
@@ -161,11 +162,19 @@ def test_tuning_times_the_nearest_candidates_that_do_not_spill():
                 *spec, 'float16', ck.attributes(spec[0], spec[1], dict(C=d, d=d)), 90)
             return spills + stack, ck.resident_warps(regs, spec[2].num_warps, shared, 90)
 
+        def left_out(kernel, d, tiles, walk=walk):
+            t.set_candidate(kernel, d, 90, (tiles, walk))
+            return t.left_out(kernel, d, 90, 'float16')
+
         bad |= occupancy('input_gradient', 32, (16, 8)) != (0, 8)
         bad |= occupancy('input_gradient', 32, (16, 16)) != (0, 16)
         bad |= occupancy('token_gradients', 64, (16, 4)) != (0, 8)
         bad |= occupancy('token_gradients', 64, (16, 8, 128)) != (0, 16)
         bad |= occupancy('token_gradients', 64, (16, 4, 168)) != (0, 12)
+        bad |= left_out('token_gradients', 64, (16, 8, 128)) is not None
+        bad |= not left_out('input_gradient', 32, (16, 8, 128)).startswith('spills')
+        bad |= 'an SM holds 16 warps, 24 without the cap' not in left_out(
+            'output', 64, (16, 8, 128), (1, 1))
         print(int(bad))
         '''))
 

@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from benchmark_norm import DTYPES, selected_stages, stage_label
 from tuning import (add_tuning_arguments, fastest, print_rows, spilled_bytes, tables_literal,
-                    target, unspilled)
+                    target, timed_candidates)
 from mmdtn import DynamicTokenNorm
 from mmdtn.models.layers.dtn import function
 from mmdtn.models.layers.dtn.backends import triton_band, triton_kernels
@@ -174,19 +174,20 @@ def candidates(operand):
 
 
 def tune(operand, stages, device, arch, dtype, iters, count, progress):
-    """Rows (tiles, total us or None where it spills, us per stage, difference) of the candidates
-    of ``operand``, ``count`` of them timed (:func:`.tuning.unspilled`), and the fastest; its
-    tiles are left in the table."""
+    """Rows (tiles, total us, us per stage, difference; or tiles, None, [], why they are left
+    out) of the candidates of ``operand``, ``count`` of them timed
+    (:func:`.tuning.timed_candidates`), and the fastest; its tiles are left in the table."""
     references = {label: [t.clone() for t in run(s.calls(operand))] for label, s in stages.items()}
 
-    def spilled(tiles):
+    def left_out(tiles):
         set_tiles(operand, tiles)
-        return spills(operand, arch, dtype)
+        spilled = spills(operand, arch, dtype)
+        return f'spills {spilled} bytes on sm_{arch}' if spilled else None
 
     rows = []
-    for tiles, spill in unspilled(candidates(operand), spilled, count):
-        if spill:
-            rows.append((tiles, None, [], None))
+    for tiles, reason in timed_candidates(candidates(operand), left_out, count):
+        if reason:
+            rows.append((tiles, None, [], reason))
             continue
         progress.update()
         times, difference = [], 0.0
@@ -230,7 +231,7 @@ def main():
     for operand in operands:
         rows, best = tune(operand, stages, device, arch, args.dtype, args.iters, count, progress)
         progress.clear()
-        print_rows(operand, rows, best, arch,
+        print_rows(operand, rows, best,
                    lambda tiles: ', '.join(f'{k}={v}' for k, v in tiles.items()), 54)
     progress.close()
     print('\n' + tables())

@@ -17,8 +17,9 @@ or cells of a row per program, warps; rows of P_y^h's band a step, loads in flig
 tables first and then the nearest to them (other warps first: :func:`candidates`), is:
 
 1. compiled for the GPU's architecture without running (as ``compile_kernels.py``); candidates
-   that spill registers are named and left out, and do not count towards ``--candidates N``
-   (the first N that do not spill are timed);
+   that spill registers, or whose register cap lets an SM hold no more of their warps than
+   without it, are named and left out, and do not count towards ``--candidates N`` (the first N
+   not left out are timed);
 2. run as the layer runs it, forward and backward, on the layer benchmark's stages
    (``benchmark_norm.STAGES``) whose heads have that width, batch 2, with a layer at its
    initialisation; y and dx must equal those of the first candidate (the current tables) to
@@ -48,10 +49,12 @@ from tqdm import tqdm
 
 import benchmark_norm as bench
 from benchmark_norm import DTYPES, selected_stages, stage_label
-from tuning import (add_tuning_arguments, fastest, print_rows, spilled_bytes, tables_literal,
-                    target, unspilled)
+from compile_kernels import LIMITS, resident_warps
+from tuning import (add_tuning_arguments, compiled_resources, fastest, print_rows, spilled_bytes,
+                    tables_literal, target, timed_candidates)
 from mmdtn import set_dtn_backend
 from mmdtn.models.layers.dtn.backends import triton_cells, triton_fused
+from mmdtn.models.layers.dtn.backends.triton_launch import LaunchOptions
 
 #: The kernels in the order the tables list them, with their module and their index in the
 #: module's ``specializations``.
@@ -95,6 +98,32 @@ def spills(kernel, d, arch, dtype):
     where d is)."""
     home, index = KERNELS[kernel]
     return spilled_bytes(home.specializations(d, arch)[index], dtype, arch, dict(C=d, d=d))
+
+
+def left_out(kernel, d, arch, dtype):
+    """Why ``kernel`` for heads of d channels with the tables as they are is not worth timing on
+    sm_<arch> (tokens of ``dtype``, compiled as :func:`spills`): it spills, or its register cap
+    lets an SM hold no more of its warps than the same tile without it (ptxas takes up to the cap
+    where it would take fewer); None otherwise, and always in the interpreter."""
+    home, index = KERNELS[kernel]
+    spec = home.specializations(d, arch)[index]
+    resources = compiled_resources(spec, dtype, arch, dict(C=d, d=d))
+    if resources is None:
+        return None
+    registers, spilled, shared = resources
+    if spilled:
+        return f'spills {spilled} bytes on sm_{arch}'
+    options = spec[2]
+    if options.maxnreg is None or arch not in LIMITS:
+        return None
+    uncapped, _, uncapped_shared = compiled_resources(
+        (*spec[:2], LaunchOptions(options.num_warps)), dtype, arch, dict(C=d, d=d))
+    held = resident_warps(registers, options.num_warps, shared, arch)
+    held_uncapped = resident_warps(uncapped, options.num_warps, uncapped_shared, arch)
+    if held <= held_uncapped:
+        return (f'{registers} registers: an SM holds {held} warps, {held_uncapped} without the '
+                'cap')
+    return None
 
 
 def spilling(kernels, widths, arch, dtype):
@@ -157,21 +186,22 @@ def candidates(kernel, d_block, arch):
 
 
 def tune(kernel, d_block, stages, device, arch, count, progress):
-    """Rows (candidate, total us or None where it spills, us per stage, difference) of the
-    candidates of ``kernel`` for heads of ``d_block`` on compute capability ``arch`` (the GPU's;
-    None in the interpreter), ``count`` of them timed (:func:`.tuning.unspilled`), and the
-    fastest; it is left in the tables."""
+    """Rows (candidate, total us, us per stage, difference; or candidate, None, [], why it is
+    left out: :func:`left_out`) of the candidates of ``kernel`` for heads of ``d_block`` on
+    compute capability ``arch`` (the GPU's; None in the interpreter), ``count`` of them timed
+    (:func:`.tuning.timed_candidates`), and the fastest; it is left in the tables."""
     references = [stage.outputs() for stage in stages]
     dtype = str(stages[0].x.dtype).split('.')[-1]
 
-    def spilled(candidate):
+    def set_and_check(candidate):
         set_candidate(kernel, d_block, arch, candidate)
-        return spills(kernel, stages[0].d, arch, dtype)
+        return left_out(kernel, stages[0].d, arch, dtype)
 
     rows = []
-    for candidate, spill in unspilled(candidates(kernel, d_block, arch), spilled, count):
-        if spill:
-            rows.append((candidate, None, [], None))
+    for candidate, reason in timed_candidates(candidates(kernel, d_block, arch), set_and_check,
+                                              count):
+        if reason:
+            rows.append((candidate, None, [], reason))
             continue
         progress.update()
         difference = max(bench.relative_error(stage.outputs(), reference)
@@ -249,8 +279,8 @@ def main():
         rows, best = tune(kernel, d_block, list(by_width[module(kernel)][d_block].values()),
                           device, layout, args.candidates, progress)
         progress.clear()
-        print_rows(f'{kernel}, heads of {d_block} channels', rows, best, arch,
-                   lambda candidate: f'{candidate[0]}, {candidate[1]}', 18)
+        print_rows(f'{kernel}, heads of {d_block} channels', rows, best,
+                   lambda candidate: f'{candidate[0]}, {candidate[1]}', 22)
     progress.close()
     print('\n' + tables(modules))
 

@@ -16,8 +16,8 @@ def add_tuning_arguments(parser, what):
     parser.add_argument('--dtype', default='float16', choices=sorted(DTYPES))
     parser.add_argument('--batch', type=int, default=2)
     parser.add_argument('--candidates', type=int, default=None,
-                        help=f'time only the first N candidates of every {what} that do not '
-                        'spill (those that spill are named, not timed)')
+                        help=f'time only the first N candidates of every {what} not left out '
+                        '(those that spill, for one, are named, not timed)')
     parser.add_argument('--shrink', type=int, default=1,
                         help='divide H and W of every grid by this (interpreter checks)')
     parser.add_argument('--arch', type=int, default=None,
@@ -35,50 +35,56 @@ def target(args):
     return device, arch, f'{name} ({checked})'
 
 
-def spilled_bytes(spec, dtype, arch, channels=None):
-    """Bytes spilled by ``spec`` = (kernel, constexprs, warps or launch options) compiled for
-    sm_<arch>, tokens of ``dtype`` (its name), for a layer of C and d as in ``channels`` (a dict;
-    none for the band products, which do not specialise on them;
-    :func:`.compile_kernels.attributes`): ptxas's report, or the stack frame of Triton's cubin
-    where that is larger (:func:`.compile_kernels.resources`); None in Triton's interpreter, whose
-    kernels do not compile."""
+def compiled_resources(spec, dtype, arch, channels=None):
+    """(registers a thread, bytes spilled, shared memory) of ``spec`` = (kernel, constexprs, warps
+    or launch options) compiled for sm_<arch>, tokens of ``dtype`` (its name), for a layer of C
+    and d as in ``channels`` (a dict; none for the band products, which do not specialise on them;
+    :func:`.compile_kernels.attributes`); the bytes spilled are ptxas's report, or the stack frame
+    of Triton's cubin where that is larger (:func:`.compile_kernels.resources`). None in Triton's
+    interpreter, whose kernels do not compile."""
     if interpreting():
         return None
     kernel, constexprs, warps = spec
-    _, spills, _, stack = compile_for(kernel, constexprs, warps, dtype,
-                                      attributes(kernel, constexprs, channels or {}), arch)
-    return max(spills, stack)
+    registers, spills, shared, stack = compile_for(
+        kernel, constexprs, warps, dtype, attributes(kernel, constexprs, channels or {}), arch)
+    return registers, max(spills, stack), shared
 
 
-def unspilled(candidates, spills, count):
-    """``candidates`` in order, each as (candidate, bytes spilled) with ``spills(candidate)``,
-    which puts it in the tables and compiles it (:func:`spilled_bytes`), until ``count`` that do
-    not spill have come (all where ``count`` is None): a candidate that spills is left out
-    without running, so it does not count."""
+def spilled_bytes(spec, dtype, arch, channels=None):
+    """Bytes spilled by ``spec`` (:func:`compiled_resources`); None in Triton's interpreter."""
+    resources = compiled_resources(spec, dtype, arch, channels)
+    return None if resources is None else resources[1]
+
+
+def timed_candidates(candidates, left_out, count):
+    """``candidates`` in order, each as (candidate, why it is left out or None) with
+    ``left_out(candidate)``, which puts it in the tables and compiles it (a candidate that spills
+    is left out), until ``count`` that are not left out have come (all where ``count`` is None):
+    a candidate left out does not run, so it does not count."""
     timed = 0
     for candidate in candidates:
         if count is not None and timed >= count:
             return
-        spilled = spills(candidate)
-        timed += not spilled
-        yield candidate, spilled
+        reason = left_out(candidate)
+        timed += reason is None
+        yield candidate, reason
 
 
 def fastest(rows, tolerance):
-    """The candidate of the fastest row (candidate, total us or None where it spills, us per
-    stage, difference) whose difference is below ``tolerance``."""
+    """The candidate of the fastest row (candidate, total us, us per stage, difference; for a
+    candidate left out: candidate, None, [], why) whose difference is below ``tolerance``."""
     valid = [r for r in rows if r[1] is not None and r[3] < tolerance]
     return min(valid, key=lambda r: r[1])[0]
 
 
-def print_rows(title, rows, best, arch, shown, width):
+def print_rows(title, rows, best, shown, width):
     """A tuned table: ``title``, then a line per row (see :func:`fastest`), the candidate as
     ``shown(candidate)`` in ``width`` columns, the fastest marked."""
     print(f'\n{title}')
     for candidate, total, times, difference in rows:
         text = shown(candidate)
         if total is None:
-            print(f'  {text:<{width}} spills on sm_{arch}')
+            print(f'  {text:<{width}} not timed: {difference}')
             continue
         mark = '  <- fastest' if candidate == best else ''
         print(f'  {text:<{width}} {total:9.1f} us = ' + ' + '.join(f'{t:.1f}' for t in times)
