@@ -140,9 +140,9 @@ def test_tuning_times_the_nearest_candidates_worth_timing():
     (4 capped at 168) do not spill, and an SM holds 16 of their warps (12; 8 with the tables);
     the fused output, 24 warps an SM with 8 warps a program, would hold 16 capped at 128."""
     assert_tool_check(textwrap.dedent('''
-        import compile_kernels as ck
         import tune_fused_tiles as t
-        from tuning import timed_candidates
+        from compile_kernels import resident_warps
+        from tuning import compiled_resources, timed_candidates
         reasons = {'b': 'spills', 'd': 'no more warps'}
         kept = list(timed_candidates('abcdef', reasons.get, 2))
         bad = kept != [('a', None), ('b', 'spills'), ('c', None)]
@@ -158,9 +158,8 @@ def test_tuning_times_the_nearest_candidates_worth_timing():
         def occupancy(kernel, d, tiles):
             t.set_candidate(kernel, d, None, (tiles, walk))
             spec = t.module(kernel).specializations(d)[t.KERNELS[kernel][1]]
-            regs, spills, shared, stack = ck.compile_for(
-                *spec, 'float16', ck.attributes(spec[0], spec[1], dict(C=d, d=d)), 90)
-            return spills + stack, ck.resident_warps(regs, spec[2].num_warps, shared, 90)
+            regs, spilled, shared = compiled_resources(spec, 'float16', 90, dict(C=d, d=d))
+            return spilled, resident_warps(regs, spec[2].num_warps, shared, 90)
 
         def left_out(kernel, d, tiles, walk=walk):
             t.set_candidate(kernel, d, 90, (tiles, walk))

@@ -225,8 +225,7 @@ def main():
     print(f'Band products on {header}, {args.dtype} tokens, batch {args.batch}: '
           f'us per call of each stage\'s products, best of 3 x {args.iters}')
     print('stages: ' + ', '.join(stages), flush=True)
-    progress = tqdm(total=sum(min(count or len(candidates(operand)), len(candidates(operand)))
-                              for operand in operands),
+    progress = tqdm(total=sum(len(candidates(operand)[:count]) for operand in operands),
                     desc='candidates timed')
     for operand in operands:
         rows, best = tune(operand, stages, device, arch, args.dtype, args.iters, count, progress)

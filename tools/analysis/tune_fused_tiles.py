@@ -273,8 +273,7 @@ def main():
               f'bytes on sm_{arch}: every candidate\'s time includes that kernel\'s (their order '
               'holds); tune it too', flush=True)
     jobs = [(kernel, d_block) for kernel in args.kernels for d_block in widths[module(kernel)]]
-    progress = tqdm(total=len(jobs) * min(args.candidates or len(CANDIDATES), len(CANDIDATES)),
-                    desc='candidates timed')
+    progress = tqdm(total=len(jobs) * len(CANDIDATES[:args.candidates]), desc='candidates timed')
     for kernel, d_block in jobs:
         rows, best = tune(kernel, d_block, list(by_width[module(kernel)][d_block].values()),
                           device, layout, args.candidates, progress)

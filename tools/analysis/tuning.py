@@ -1,11 +1,14 @@
 """What the tile-tuning tools (``tune_band_tiles.py``, ``tune_fused_tiles.py``) share: their
 common arguments, the GPU whose architecture the spill check compiles for, the header and the
 rows of each tuned table, and the choice of the fastest candidate."""
+import functools
+
 import torch
 
 from benchmark_norm import DTYPES, add_stages_argument
 from compile_kernels import attributes, compile_for
 from mmdtn.models.layers.dtn.backends.triton import interpreting
+from mmdtn.models.layers.dtn.backends.triton_launch import launch_options
 
 
 def add_tuning_arguments(parser, what):
@@ -45,8 +48,17 @@ def compiled_resources(spec, dtype, arch, channels=None):
     if interpreting():
         return None
     kernel, constexprs, warps = spec
+    return _compiled(kernel, tuple(constexprs.items()), launch_options(warps), dtype, arch,
+                     tuple(sorted((channels or {}).items())))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(kernel, constexprs, options, dtype, arch, channels):
+    """:func:`compiled_resources` of one compilation, once per process: a capped candidate's
+    check compiles its tile without the cap too, which is a candidate of its own."""
+    constexprs = dict(constexprs)
     registers, spills, shared, stack = compile_for(
-        kernel, constexprs, warps, dtype, attributes(kernel, constexprs, channels or {}), arch)
+        kernel, constexprs, options, dtype, attributes(kernel, constexprs, dict(channels)), arch)
     return registers, max(spills, stack), shared
 
 
