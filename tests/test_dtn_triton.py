@@ -136,6 +136,38 @@ def test_without_pooling_fused_or_staged(triton_dtn, monkeypatch, C, heads, hw, 
     assert max(relative_errors(norm, x, hw)) < 1e-5
 
 
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float16])
+@pytest.mark.parametrize('C,heads,hw,B', [(12, 3, (5, 7), 3), (8, 2, (3, 41), 2)])
+def test_fused_passes_keeping_their_products(triton_dtn, fused_passes, monkeypatch, dtype, C,
+                                             heads, hw, B):
+    """With ``MMDTN_TRITON_KEEP_PRODUCTS=1`` the fused output also writes m_0 and var_it (2, B,
+    N, C) in float32, and the token gradients read them instead of walking the band again: the
+    same launches, and y and every gradient exactly those of the passes that form them again
+    (the same float32 values), eagerly and compiled (the custom op's fake tensors keep them
+    too)."""
+    norm = randomize(DynamicTokenNorm(C, heads, eps=1e-5)).float().to(DEVICE)
+    x = tokens(B, *hw, C, torch.float32).to(DEVICE, dtype)
+    results, fused = {}, {}
+    for keep in (False, True):
+        monkeypatch.setattr(triton_fused, 'KEEP_PRODUCTS', keep)
+        with recording_launches() as launches:
+            results[keep] = outputs_and_gradients(norm, x, hw)
+        fused[keep] = {k.name: k for k in launches if k.name.startswith('triton.fused')}
+        assert list(fused[keep]) == ['triton.fused_output', 'triton.fused_token_gradients',
+                                     'triton.fused_input_gradient']
+    products = 2 * B * hw[0] * hw[1] * C * 4
+    assert (fused[True]['triton.fused_output'].written
+            == fused[False]['triton.fused_output'].written + products)
+    assert (fused[True]['triton.fused_token_gradients'].read
+            == fused[False]['triton.fused_token_gradients'].read + products)
+    for k, (a, b) in enumerate(zip(results[False], results[True])):
+        assert torch.equal(a, b), k
+    torch._dynamo.reset()
+    compiled = torch.compile(norm, fullgraph=True, backend='aot_eager')
+    for a, b in zip(outputs_and_gradients(compiled, x, hw), results[True]):
+        assert torch.allclose(a, b, atol=1e-6)  # P traced and eager: equal to float32 rounding
+
+
 @pytest.mark.parametrize('rows', [7, 3])
 def test_fused_input_gradient_programs_of_several_token_rows(triton_dtn, fused_passes, monkeypatch,
                                                              rows):

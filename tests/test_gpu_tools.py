@@ -201,7 +201,7 @@ def test_fused_tile_tuning_tool():
     namespace = {}
     exec(text[text.index('TILES = {'):], namespace)
     assert set(namespace['TILES']) == set(namespace['WALKS']) == {
-        'output', 'token_gradients', 'input_gradient'}
+        'output', 'token_gradients', 'kept_token_gradients', 'input_gradient'}
     assert namespace['ARCH_TILES'] == triton_fused.ARCH_TILES
     cells = subprocess.run([sys.executable, tool, '--device', 'cpu', '--shrink', '10', '--batch',
                             '1', '--candidates', '2', '--stages', 'pvt_tiny:2', '--kernels',

@@ -2,8 +2,9 @@
 report registers, spills, shared memory and resident warps per kernel.
 
 Every kernel specialisation that the DTN layers of the given backbones launch (forward and backward;
-the products on chip, fused without pooling and on the cell grid with pooling, and one factor at a
-time, ``MMDTN_TRITON_FUSED=0``; the tokens' dtypes given; both statistics conventions with
+the products on chip, fused without pooling and on the cell grid with pooling, the fused passes
+also keeping their products, ``MMDTN_TRITON_KEEP_PRODUCTS=1``, and one factor at a time,
+``MMDTN_TRITON_FUSED=0``; the tokens' dtypes given; both statistics conventions with
 ``--reference-compat``) is compiled by Triton's own compiler for each ``--arch`` (``triton.compile``
 with a ``GPUTarget``, then NVIDIA's ``ptxas``, both shipped with triton). The resource use comes
 from the cubin (``cuobjdump --dump-resource-usage``: registers, shared memory, the stack frame,
@@ -186,25 +187,33 @@ def job_order(job):
     return name, constexprs, options.num_warps, options.maxnreg or 0, *rest
 
 
+#: The ways a layer forms its positional products, as (on chip, fused products kept): on chip
+#: where the heads allow (the default), also keeping the fused passes' products
+#: (``MMDTN_TRITON_KEEP_PRODUCTS=1``), and one factor at a time (``MMDTN_TRITON_FUSED=0``).
+WAYS = ((True, False), (True, True), (False, False))
+
+
 @contextlib.contextmanager
-def launching_as(on_chip, arch):
+def launching_as(on_chip, arch, keep=False):
     """The layers' launches as on a GPU of compute capability ``arch`` (None: the tiles of no
     particular architecture), with the positional products formed on chip where they can be
-    (``on_chip``, the default) or one factor at a time, as ``MMDTN_TRITON_FUSED=0`` sets it."""
-    enabled, architecture = triton_fused.ENABLED, triton_fused.architecture
-    triton_fused.ENABLED, triton_fused.architecture = on_chip, lambda device: arch
+    (``on_chip``) or one factor at a time, and the fused passes' products kept (``keep``): one of
+    :data:`WAYS`."""
+    saved = triton_fused.ENABLED, triton_fused.KEEP_PRODUCTS, triton_fused.architecture
+    triton_fused.ENABLED, triton_fused.KEEP_PRODUCTS = on_chip, keep
+    triton_fused.architecture = lambda device: arch
     try:
         yield
     finally:
-        triton_fused.ENABLED, triton_fused.architecture = enabled, architecture
+        triton_fused.ENABLED, triton_fused.KEEP_PRODUCTS, triton_fused.architecture = saved
 
 
 def layer_launches(grids, conventions, dtypes, arch=None):
     """(launch, dtype) for every compiled kernel that a DTN layer of each (C, pool, heads, (H, W))
     of ``grids`` launches on a GPU of compute capability ``arch`` (:func:`launching_as`), forward
     and backward, on meta tensors of batch 2 and each dtype: for each statistics convention
-    (``reference_compat``) and initialisation of the gates (``init``), with the products on chip
-    and one factor at a time. Each launch
+    (``reference_compat``) and initialisation of the gates (``init``), in each of :data:`WAYS`.
+    Each launch
     (:class:`~mmdtn.models.layers.dtn.backends.base.KernelLaunch`) keeps its kernel, constexprs,
     warps and arguments."""
     from benchmark_norm import TrafficCounter  # runs the custom ops' insides on meta tensors
@@ -214,8 +223,8 @@ def layer_launches(grids, conventions, dtypes, arch=None):
             for dtype in dtypes:
                 x = torch.empty(2, H * W, C, device='meta', dtype=getattr(torch, dtype),
                                 requires_grad=True)
-                for on_chip in (True, False):
-                    with launching_as(on_chip, arch), TrafficCounter(), \
+                for on_chip, keep in WAYS:
+                    with launching_as(on_chip, arch, keep), TrafficCounter(), \
                             recording_launches() as launches:
                         torch.autograd.grad(layer(x, (H, W)).sum(), x)
                     yield from ((launch, dtype) for launch in launches)
@@ -317,8 +326,8 @@ def architecture_jobs(layers, conventions, dtypes, arch):
     DTN ``layers`` (C, pool, heads) launch on compute capability ``arch``, once each."""
     specs = [(spec, dict(C=C, d=C // heads)) for C, pool, heads in sorted(layers)
              for square in conventions
-             for fused in (False, True)  # the staged passes and, where they run, the fused ones
-             for spec in specializations(C, pool, heads, square, fused, arch)]
+             for fused, keep in WAYS  # where they run, the fused passes; the staged ones
+             for spec in specializations(C, pool, heads, square, fused, arch, keep)]
     specs += [(spec, {}) for spec in (triton_parameters.specializations()
                                       + triton_band.specializations())]
     jobs = {}
@@ -381,7 +390,8 @@ def main():
         print(f'  {model} grids (C, pool, heads, (H, W)) at {args.sizes}: {model_grids}')
     for arch, (compiled, keys) in launched.items():
         print(f'Launched by these layers as on sm_{arch} (on meta tensors, forward and backward, '
-              f'both gate initialisations, the products on chip and one factor at a time): '
+              f'both gate initialisations, the products on chip, also with the fused passes\' '
+              f'products kept, and one factor at a time): '
               f'{len(keys)} of the {compiled} specialisations compiled, each bound by Triton as '
               'compiled here')
     head = (f"{'kernel':<34}{'arch':>5}{'dtype':>10}{'warps':>6}{'regs':>6}{'spills':>8}"

@@ -95,7 +95,8 @@ class Saved:
     backend that forms Eq. 2 again wherever it reads a token: ``keeps_token_statistics``) and the
     centre; with pooling also the (small) moments T and products u = P_x T and m = P_y u, which
     without pooling are as large as x and are recomputed (u None from a backend that does not keep
-    it: ``keeps_row_products``)."""
+    it: ``keeps_row_products``), unless a backend's fused forward pass keeps its products in a
+    form of its own (``keeps_fused_products``)."""
 
     mean_ln: Optional[Tensor]
     var_ln: Optional[Tensor]
@@ -119,7 +120,9 @@ class Saved:
     def from_tensors(cls, tensors, grid):
         mean_ln, var_ln, centre, moments, row_products, products = tensors
         if not grid.pooled:
-            moments = row_products = products = None
+            moments = row_products = None
+            if products.numel() == 0:  # not kept (a real grid's products have entries)
+                products = None
         elif row_products.numel() == 0:  # not kept
             row_products = None
         if mean_ln.numel() == 0:  # never a real grid's: it has at least one token
@@ -127,11 +130,15 @@ class Saved:
         return cls(mean_ln, var_ln, centre, moments, row_products, products)
 
     @staticmethod
-    def fake_tensors(x, grid, dtype, token_statistics=True, row_products=True):
+    def fake_tensors(x, grid, dtype, token_statistics=True, row_products=True,
+                     fused_products=False):
         """Empty tensors of the shapes :meth:`tensors` has for ``grid`` (fake implementations);
-        ``token_statistics``, ``row_products``: whether the backend keeps Eq. 2 per token and u
-        with pooling."""
+        ``token_statistics``, ``row_products``, ``fused_products``: whether the backend keeps Eq. 2
+        per token, u with pooling, and its fused forward pass's products without pooling (two
+        moments of x's shape)."""
         T, m = (grid.column_major, grid.head_major) if grid.pooled else ((0, ), (0, ))
+        if fused_products:
+            m = (2, *x.shape)
         u = m if row_products else (0, )
         tokens = (grid.B, grid.N, 1) if token_statistics else (0, )
         return [x.new_empty(tokens, dtype=dtype), x.new_empty(tokens, dtype=dtype),
@@ -476,7 +483,8 @@ def define_custom_ops(backend, name, parameters=FORMED):
         grid = TokenGrid(x.shape[0], H, W, x.shape[2], heads, pool)
         return [torch.empty_like(x), *Saved.fake_tensors(x, grid, weight.dtype,
                                                          backend.keeps_token_statistics,
-                                                         backend.keeps_row_products),
+                                                         backend.keeps_row_products,
+                                                         backend.keeps_fused_products(grid)),
                 *parameters.fake_kept((a, b, c), grid)]
 
     def run_backward(grad: Tensor, x: Tensor, a: Tensor, b: Tensor, c: Tensor, weight: Tensor,

@@ -135,6 +135,11 @@ class Backend:
         passes)."""
         return False
 
+    def keeps_fused_products(self, grid):
+        """Whether :meth:`fused_forward` keeps the products for the backward pass on ``grid``
+        (:attr:`..function.Saved.products`: without pooling, as large as x or larger)."""
+        return False
+
     def fused_forward(self, x, p_y, p_x, ratios, weight, bias, eps, grid, convention):
         """y and the :class:`..function.Saved` of the forward pass with the products fused: the
         statistics pass, then ``fused_output(x, stats, p_y, p_x, ratios, weight, bias, eps,

@@ -116,15 +116,19 @@ class TritonBackend(Backend):
     def fuses_products(self, x, grid, p_x):
         return fused.fuses(grid.pool, grid.d)
 
+    def keeps_fused_products(self, grid):
+        return fused.keeps_products(grid.pool, grid.d)
+
     def fused_forward(self, x, p_y, p_x, ratios, weight, bias, eps, grid, convention):
         centre = kernels.sample_centre(x)
-        y = fused.fused_output(x, centre, p_y, p_x, ratios, weight, bias, eps,
-                               convention.ln_divisor(grid.C), grid)
-        return y, Saved(None, None, centre)
+        y, products = fused.fused_output(x, centre, p_y, p_x, ratios, weight, bias, eps,
+                                         convention.ln_divisor(grid.C), grid,
+                                         self.keeps_fused_products(grid))
+        return y, Saved(None, None, centre, products=products)
 
     def fused_backward(self, g, x, saved, p_y, p_x, ratios, weight, eps, n_var, grid):
         dx, sums, shares = fused.fused_backward(g, x, saved.centre, p_y, p_x, ratios, weight, eps,
-                                                n_var, grid)
+                                                n_var, grid, saved.products)
         return Gradients(dx, None, None, *self.parameter_gradients(sums), coefficients=[shares])
 
     @staticmethod

@@ -27,6 +27,9 @@ m = P_y u in another order, equal to float32 rounding. The three kernels:
                      programs (:data:`PROGRAMS`): the sums, float32 per program and channel, are
                      written once for all of them
 
+With :data:`KEEP_PRODUCTS` the output also writes m_0 and var_it (float32), and the token gradients
+read them instead of walking the band: more bytes, one walk fewer (off by default).
+
 dL/dm passes between the backward kernels in float32 for float32 tokens and in float16 for 16-bit
 tokens (:func:`gradient_dtype`). There each token's values of a head and moment are divided by the
 power of two above their largest (:func:`_store_scaled`; its exponent is stored, a byte), so that
@@ -71,9 +74,10 @@ from .triton_band import SPAN_BLOCK, _band, _weights
 from .triton_kernels import SUM_ROWS, _channel_row, _ratio_rows, _standardised
 from .triton_launch import LaunchOptions, cdiv, launch
 
-__all__ = ['can_fuse', 'fuses', 'fused_output', 'fused_backward', 'specializations',
-           'architecture', 'tiles', 'tiles_table', 'gradient_dtype', 'MAX_HEAD_CHANNELS',
-           'GRADIENT_POINTERS', 'EXPONENT_POINTERS', 'PROGRAMS', 'rows_per_program']
+__all__ = ['can_fuse', 'fuses', 'keeps_products', 'fused_output', 'fused_backward',
+           'specializations', 'architecture', 'tiles', 'tiles_table', 'gradient_dtype',
+           'MAX_HEAD_CHANNELS', 'KEEP_PRODUCTS', 'GRADIENT_POINTERS', 'EXPONENT_POINTERS',
+           'PROGRAMS', 'rows_per_program']
 
 #: Token columns of the band per step: the inner dimension of the products with P_x (tl.dot's
 #: least, 16).
@@ -93,6 +97,17 @@ EXPONENT_POINTERS = ('exponent_ptr',)
 #: time but 0.48-0.52x their host time (7 launches and operations a call instead of 15), and a
 #: call, which at batch 2 waits for the host, 0.58-0.72x the time; and a third of the memory.
 ENABLED = os.environ.get('MMDTN_TRITON_FUSED', '1') != '0'
+#: Whether the fused forward pass keeps its products for the backward pass: m_0 and var_it, two
+#: float32 values per channel and token, which the token gradients then read instead of walking
+#: the band again (``MMDTN_TRITON_KEEP_PRODUCTS=1``, read at import; off by default). That takes
+#: one of the backward pass's two walks per head and token (the input gradient's stays: its
+#: products are of dL/dm) for 8 bytes per channel and token written forward, read backward and
+#: kept between the passes: for float16 tokens 1.06-1.11x LayerNorm's bytes forward becomes
+#: 3.06-3.10x and 3.11-3.25x backward 4.44-4.58x (``benchmark_norm.py --tables traffic``), and a
+#: backbone keeps four times its tokens' bytes more per layer without pooling. On an H200 the
+#: token gradients, which it reduces to a pass over the tokens, took 338 of the layer's 722 us at
+#: PVT-Tiny's stage 3 (docs/gpu.md, "Measured on an H200"); it has not been timed on a GPU.
+KEEP_PRODUCTS = os.environ.get('MMDTN_TRITON_KEEP_PRODUCTS', '0') == '1'
 #: The widest heads the fused passes take: up to 64 channels all three compile without spills on
 #: sm_80 and sm_90 (:data:`TILES`, :data:`ARCH_TILES`); for 128 the token-gradients kernel spilled
 #: 16 bytes or more with every tile tried. Wider heads run the staged passes.
@@ -117,10 +132,15 @@ MAX_HEAD_CHANNELS = 64
 #: sm_80 and sm_90, and 32 tokens with 8 warps 20-24 bytes for heads of 32 channels (sm_90, 16-bit
 #: tokens); 16 tokens with 8 warps spill in no dtype on either (168-254 registers). Over several
 #: token rows (:data:`PROGRAMS`) it holds the parameter sums and the shares across them. The tokens
-#: are the rows of P_x in one tl.dot (at least 16).
+#: are the rows of P_x in one tl.dot (at least 16). The token gradients that read the kept
+#: products (:data:`KEEP_PRODUCTS`) walk no band: with 16 tokens and 8 warps they spill in no dtype
+#: on sm_80 and sm_90 and an SM holds 32 of their warps for heads of 32 channels, 16-24 for 64
+#: (60-64 and 97-101 registers a thread); with the token gradients' 4 warps they spill 16-24 bytes
+#: on sm_90 for 16-bit tokens. Not yet timed.
 TILES = {
     'output': {32: (16, 8), 64: (16, 8)},
     'token_gradients': {32: (16, 4), 64: (16, 4)},
+    'kept_token_gradients': {32: (16, 8), 64: (16, 8)},
     'input_gradient': {32: (16, 8), 64: (16, 8)},
 }
 
@@ -144,10 +164,12 @@ ARCH_TILES = {}
 #: instead ([rows, BAND, D_BLOCK], summed over the rows) was fastest with one row a step and then
 #: took 6-12% more time than these walks at the same stages (docs/gpu.md, "The latest run"). The
 #: token gradients for heads of 32 channels walk one row a step with their 4 warps (:data:`TILES`):
-#: with two they spill 24 bytes on sm_90 for bfloat16 tokens; not yet timed.
+#: with two they spill 24 bytes on sm_90 for bfloat16 tokens; not yet timed. The token gradients
+#: that read the kept products walk nothing.
 WALKS = {
     'output': {32: (1, 1), 64: (1, 1)},
     'token_gradients': {32: (1, 1), 64: (2, 1)},
+    'kept_token_gradients': {32: (1, 1), 64: (1, 1)},
     'input_gradient': {32: (2, 1), 64: (2, 1)},
 }
 
@@ -169,6 +191,12 @@ def can_fuse(pool, d):
 def fuses(pool, d):
     """Whether such a layer runs fused here: where it can, with :data:`ENABLED`."""
     return ENABLED and can_fuse(pool, d)
+
+
+def keeps_products(pool, d):
+    """Whether such a layer's fused forward pass keeps its products for the backward pass:
+    where it runs fused (:func:`fuses`), with :data:`KEEP_PRODUCTS`."""
+    return KEEP_PRODUCTS and fuses(pool, d)
 
 
 # ---------------------------------------------------------------------------- shared pieces
@@ -409,54 +437,82 @@ def _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, 
             kap_v, rstd, xhat, da1, da2, da3)
 
 
+@triton.jit
+def _head_kept(x_image, products_image, plane, centre_ptr, ratios_ptr, b, i, w, head, W, C, d,
+               mean_ln, var_ln, eps, D_BLOCK: tl.constexpr):
+    """What :func:`_head_standardised` gives the token gradients (x, its mask and offsets, m_0,
+    var_it, the four ratio rows, rstd and xhat), from m_0 and var_it as the forward pass kept them
+    in two planes ``plane`` apart (:data:`KEEP_PRODUCTS`): no walk over the band."""
+    _, _, centre = _head(centre_ptr, b, head, C, d, D_BLOCK)
+    x, mask, offsets = _head_tokens(x_image, i, w, head, W, C, d, D_BLOCK)
+    first = tl.load(products_image + offsets, mask=mask, other=0.0)
+    var_it = tl.load(products_image + plane + offsets, mask=mask, other=0.0)
+    lam_m, kap_m, lam_v, kap_v = _ratio_rows(ratios_ptr + head * d, C, d, D_BLOCK)
+    rstd, xhat = _standardised(x, mean_ln, var_ln, first + centre, var_it, lam_m, kap_m, lam_v,
+                               kap_v, eps)
+    return x, mask, offsets, first, var_it, lam_m, kap_m, lam_v, kap_v, rstd, xhat
+
+
 # ---------------------------------------------------------------------------- forward
 # not specialised on C and d: with them its tiles spilled 8-56 bytes on sm_86, sm_89, sm_100, sm_120
 @triton.jit(do_not_specialize=['H', 'W', 'C', 'd', 'heads'])
 def _fused_output_kernel(x_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, weight_ptr, bias_ptr,
-                         y_ptr, H, W, C, d, heads, eps, n_var, TOKENS: tl.constexpr,
-                         BAND: tl.constexpr, D_BLOCK: tl.constexpr, SPAN_BLOCK: tl.constexpr,
-                         UNROLL: tl.constexpr, STAGES: tl.constexpr):
-    """y of tokens w = block * TOKENS ... of token row i of image b (program (b H + i, block))."""
+                         y_ptr, products_ptr, H, W, C, d, heads, eps, n_var,
+                         TOKENS: tl.constexpr, BAND: tl.constexpr, D_BLOCK: tl.constexpr,
+                         SPAN_BLOCK: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr,
+                         KEEP: tl.constexpr):
+    """y of tokens w = block * TOKENS ... of token row i of image b (program (b H + i, block));
+    with KEEP also m_0 and var_it, two planes (2, B, N, C) float32 at ``products_ptr``."""
     row, block = tl.program_id(0), tl.program_id(1)
     b, i = row // H, row % H
     w = block * TOKENS + tl.arange(0, TOKENS)
     image = b.to(tl.int64) * H * W * C
+    plane = (tl.num_programs(0) // H).to(tl.int64) * H * W * C  # B N C
     x_image, y_image = x_ptr + image, y_ptr + image
     mean_ln, var_ln = _ln_statistics(x_image, i, w, W, C, d, heads, n_var, D_BLOCK)
     for head in range(heads):
-        x, mask, offsets, _, _, _, _, _, _, _, _, _, _, _, _, xhat, _, _, _ = _head_standardised(
-            x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, w, head, H, W, C, d,
-            mean_ln, var_ln, eps, 0.0, 0.0, False, BAND, D_BLOCK, SPAN_BLOCK, UNROLL, STAGES)
+        (x, mask, offsets, _, _, _, _, _, first, var_it, _, _, _, _, _, xhat, _, _,
+         _) = _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, w, head,
+                                 H, W, C, d, mean_ln, var_ln, eps, 0.0, 0.0, False, BAND, D_BLOCK,
+                                 SPAN_BLOCK, UNROLL, STAGES)
         gamma = _channel_row(weight_ptr + head * d, d, D_BLOCK)
         beta = _channel_row(bias_ptr + head * d, d, D_BLOCK)
         tl.store(y_image + offsets, (xhat * gamma + beta).to(y_ptr.dtype.element_ty), mask=mask)
+        if KEEP:
+            tl.store(products_ptr + image + offsets, first, mask=mask)
+            tl.store(products_ptr + plane + image + offsets, var_it, mask=mask)
 
 
-def fused_output(x, centre, p_y, p_x, ratios, weight, bias, eps, n_var, grid):
+def fused_output(x, centre, p_y, p_x, ratios, weight, bias, eps, n_var, grid, keep=False):
     """y (x's shape and dtype) without pooling from x (B, N, C) contiguous, the centre (B, 1, 1, C)
-    float32, the factors P_y (heads, H, H), P_x (heads, W, W) and the ratios (4, C): one launch."""
+    float32, the factors P_y (heads, H, H), P_x (heads, W, W) and the ratios (4, C): one launch.
+    Returns y and, with ``keep``, the products for the backward pass (:data:`KEEP_PRODUCTS`: m_0
+    and var_it, (2, B, N, C) float32), else None."""
     y = torch.empty_like(x)
+    products = x.new_empty((2, *x.shape) if keep else (0, ), dtype=torch.float32)
     operands = [x, centre.contiguous(), p_y.contiguous(), p_x.contiguous(), ratios.contiguous(),
                 weight.contiguous(), bias.contiguous()]
-    spec = specializations(grid.d, architecture(x.device))[0]
+    spec = specializations(grid.d, architecture(x.device), keep)[0]
     launch('triton.fused_output', spec, (grid.B * grid.H, cdiv(grid.W, spec[1]['TOKENS'])),
-           operands, [y], *operands, y, grid.H, grid.W, grid.C, grid.d, grid.heads, float(eps),
-           float(n_var))
-    return y
+           operands, [y, products], *operands, y, products, grid.H, grid.W, grid.C, grid.d,
+           grid.heads, float(eps), float(n_var))
+    return y, products if keep else None
 
 
 # ---------------------------------------------------------------------------- backward
 # not specialised on C and d: with them its tiles spill 48-52 bytes on sm_86, sm_90 (float32, d 32)
 @triton.jit(do_not_specialize=['H', 'W', 'C', 'd', 'heads'])
 def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr,
-                                  weight_ptr, scaled_dm_ptr, exponent_ptr, token_ptr, H, W, C, d,
-                                  heads, eps, n_var, TOKENS: tl.constexpr, BAND: tl.constexpr,
-                                  D_BLOCK: tl.constexpr, SPAN_BLOCK: tl.constexpr,
-                                  UNROLL: tl.constexpr, STAGES: tl.constexpr):
+                                  weight_ptr, products_ptr, scaled_dm_ptr, exponent_ptr, token_ptr,
+                                  H, W, C, d, heads, eps, n_var, TOKENS: tl.constexpr,
+                                  BAND: tl.constexpr, D_BLOCK: tl.constexpr,
+                                  SPAN_BLOCK: tl.constexpr, UNROLL: tl.constexpr,
+                                  STAGES: tl.constexpr, KEEP: tl.constexpr):
     """For tokens w of token row i of image b (program (b H + i, block)): dL/dm (two planes (2,
     B, N, C) as :func:`_store_scaled` stores them; for 16-bit tokens the exponents (2, B, heads,
     N)) and per token mean_ln, var_ln and the gradient of Eq. 2 as dx = ... + x beta + alpha
-    (``token_ptr``, (B N, 4))."""
+    (``token_ptr``, (B N, 4)). With KEEP the products come from the forward pass
+    (``products_ptr``, :func:`_fused_output_kernel`'s), without it from a walk over the band."""
     row, block = tl.program_id(0), tl.program_id(1)
     b, i = row // H, row % H
     w = block * TOKENS + tl.arange(0, TOKENS)
@@ -468,10 +524,16 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
     tok1 = tl.zeros([TOKENS], tl.float32)  # sum_c D1 lambda_m
     tok2 = tl.zeros([TOKENS], tl.float32)  # sum_c D2 lambda_v
     for head in range(heads):
-        (x, mask, offsets, _, _, _, _, _, first, var_it, lam_m, kap_m, lam_v, kap_v, rstd, xhat,
-         _, _, _) = _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, w,
-                                       head, H, W, C, d, mean_ln, var_ln, eps, 0.0, 0.0, False,
-                                       BAND, D_BLOCK, SPAN_BLOCK, UNROLL, STAGES)
+        if KEEP:
+            x, mask, offsets, first, var_it, lam_m, kap_m, lam_v, kap_v, rstd, xhat = _head_kept(
+                x_image, products_ptr + image, plane, centre_ptr, ratios_ptr, b, i, w, head, W, C,
+                d, mean_ln, var_ln, eps, D_BLOCK)
+        else:
+            (x, mask, offsets, _, _, _, _, _, first, var_it, lam_m, kap_m, lam_v, kap_v, rstd,
+             xhat, _, _, _) = _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr,
+                                                 ratios_ptr, b, i, w, head, H, W, C, d, mean_ln,
+                                                 var_ln, eps, 0.0, 0.0, False, BAND, D_BLOCK,
+                                                 SPAN_BLOCK, UNROLL, STAGES)
         gamma = _channel_row(weight_ptr + head * d, d, D_BLOCK)
         g, _, _ = _head_tokens(g_image, i, w, head, W, C, d, D_BLOCK)
         d1 = g * gamma * rstd
@@ -587,15 +649,18 @@ def rows_per_program(programs, H):
     return cdiv(H, cdiv(H, rows))
 
 
-def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
+def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid, products=None):
     """dx (x's shape and dtype), the input-gradient programs' sums (programs, 4, C) for the weight,
     the bias and the ratios (as :func:`.triton_kernels.token_gradients`') and their shares
     (programs, heads, 3) of the gradient of a^h, from g and x (B, N, C) contiguous and the
-    forward pass's operands: two launches."""
+    forward pass's operands (``products``: what :func:`fused_output` kept, if it did): two
+    launches."""
     B, N, C = x.shape
+    keep = products is not None
     operands = [x, g, centre.contiguous(), p_y.contiguous(), p_x.contiguous(),
-                ratios.contiguous(), weight.contiguous()]
-    specs = specializations(grid.d, architecture(x.device))
+                ratios.contiguous(), weight.contiguous(),
+                products if keep else x.new_empty(0, dtype=torch.float32)]
+    specs = specializations(grid.d, architecture(x.device), keep)
     spec = specs[1]
     programs = (B * grid.H, cdiv(grid.W, spec[1]['TOKENS']))
     dm = x.new_empty(2, B, N, C, dtype=gradient_dtype(x.dtype))
@@ -605,6 +670,7 @@ def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid):
     launch('triton.fused_token_gradients', spec, programs, operands, [dm, exponents, token],
            *operands, dm, exponents, token, grid.H, grid.W, C, grid.d, grid.heads, float(eps),
            float(n_var))
+    operands = operands[:-1]
     dx = torch.empty_like(x)
     spec = specs[2]
     blocks = cdiv(grid.W, spec[1]['TOKENS'])
@@ -653,20 +719,23 @@ def tiles(name, d_block, arch=None):
     return tiles_table(name, d_block, arch)[d_block]
 
 
-def _spec(kernel, name, d, arch):
+def _spec(kernel, name, d, arch, **constexprs):
     """(kernel, constexprs, launch options) of one fused kernel for heads of d channels on
-    ``arch``."""
+    ``arch``, with ``constexprs`` of its own."""
     d_block = head_block(d)
     tokens, *options = tiles(name, d_block, arch)
     unroll, stages = WALKS[name][d_block]
     return kernel, dict(TOKENS=tokens, BAND=BAND, D_BLOCK=d_block, SPAN_BLOCK=SPAN_BLOCK,
-                        UNROLL=unroll, STAGES=stages), LaunchOptions(*options)
+                        UNROLL=unroll, STAGES=stages, **constexprs), LaunchOptions(*options)
 
 
 @functools.lru_cache(maxsize=None)
-def specializations(d, arch=None):
+def specializations(d, arch=None, keep=False):
     """(kernel, constexprs, launch options) of the fused passes for heads of d channels on compute
-    capability ``arch`` (:func:`tiles`): the output, the token gradients and the input gradient."""
-    return (_spec(_fused_output_kernel, 'output', d, arch),
-            _spec(_fused_token_gradients_kernel, 'token_gradients', d, arch),
+    capability ``arch`` (:func:`tiles`): the output, the token gradients and the input gradient;
+    with ``keep`` the output keeps the products and the token gradients read them
+    (:data:`KEEP_PRODUCTS`)."""
+    return (_spec(_fused_output_kernel, 'output', d, arch, KEEP=keep),
+            _spec(_fused_token_gradients_kernel,
+                  'kept_token_gradients' if keep else 'token_gradients', d, arch, KEEP=keep),
             _spec(_fused_input_gradient_kernel, 'input_gradient', d, arch))

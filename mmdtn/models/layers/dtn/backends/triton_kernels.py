@@ -582,14 +582,15 @@ def _input_gradient_spec(C, pool, second):
     return _input_gradient_kernel, constexprs, 2 if constexprs['C_BLOCK'] <= 32 else warps
 
 
-def specializations(C, pool, heads, square_of_pooled=False, fused=None, arch=None):
+def specializations(C, pool, heads, square_of_pooled=False, fused=None, arch=None, keep=None):
     """The compiled kernels one DTN layer of C channels in ``heads`` heads and pooling ``pool``
     launches, forward and backward, as (kernel, constexprs, num_warps): what a GPU of compute
     capability ``arch`` compiles for it (the tokens' dtype aside). The image size is not part of
     it. With ``fused`` (default: the settings, :data:`.triton_fused.ENABLED` and
     :data:`.triton_cells.ENABLED`) the products are formed on chip where the heads allow: without
-    pooling in the fused passes (:mod:`.triton_fused`, whose tiles depend on ``arch``), with
-    pooling on the cell grid (:mod:`.triton_cells`); otherwise the band products
+    pooling in the fused passes (:mod:`.triton_fused`, whose tiles depend on ``arch``; with
+    ``keep``, default :data:`.triton_fused.KEEP_PRODUCTS`, keeping their products between the
+    passes), with pooling on the cell grid (:mod:`.triton_cells`); otherwise the band products
     (:func:`.triton_band.specializations`) run between these passes."""
     from . import triton_cells, triton_fused  # which import this module's pieces of Eqs. 4-5
     d = C // heads
@@ -599,7 +600,8 @@ def specializations(C, pool, heads, square_of_pooled=False, fused=None, arch=Non
         fused, cells = (fused and triton_fused.can_fuse(pool, d),
                         fused and triton_cells.can_form_products(pool, d))
     if fused:
-        return [*triton_fused.specializations(d, arch), _parameter_gradients_spec()]
+        keep = triton_fused.KEEP_PRODUCTS if keep is None else keep
+        return [*triton_fused.specializations(d, arch, keep), _parameter_gradients_spec()]
     passes = [_output_spec(C, pool), _token_gradients_spec(C, pool), _parameter_gradients_spec(),
               _input_gradient_spec(C, pool, pool == 1 or not square_of_pooled)]
     if pool > 1:  # T of the tokens: no moments pass without pooling
