@@ -141,10 +141,11 @@ def test_without_pooling_fused_or_staged(triton_dtn, monkeypatch, C, heads, hw, 
 def test_fused_passes_keeping_their_products(triton_dtn, fused_passes, monkeypatch, dtype, C,
                                              heads, hw, B):
     """With ``MMDTN_TRITON_KEEP_PRODUCTS=1`` the fused output also writes m_0 and var_it (2, B,
-    N, C) in float32, and the token gradients read them instead of walking the band again: the
-    same launches, and y and every gradient exactly those of the passes that form them again
-    (the same float32 values), eagerly and compiled (the custom op's fake tensors keep them
-    too)."""
+    N, C) in float32, and the token gradients and the input gradient read them instead of forming
+    them again in a walk over the band (the input gradient walks it for the shares of the gradient
+    of a^h alone): the same launches, and y and every gradient exactly those of the passes that
+    form them again (the same float32 values), eagerly and compiled (the custom op's fake tensors
+    keep them too)."""
     norm = randomize(DynamicTokenNorm(C, heads, eps=1e-5)).float().to(DEVICE)
     x = tokens(B, *hw, C, torch.float32).to(DEVICE, dtype)
     results, fused = {}, {}
@@ -158,8 +159,8 @@ def test_fused_passes_keeping_their_products(triton_dtn, fused_passes, monkeypat
     products = 2 * B * hw[0] * hw[1] * C * 4
     assert (fused[True]['triton.fused_output'].written
             == fused[False]['triton.fused_output'].written + products)
-    assert (fused[True]['triton.fused_token_gradients'].read
-            == fused[False]['triton.fused_token_gradients'].read + products)
+    for name in ('triton.fused_token_gradients', 'triton.fused_input_gradient'):
+        assert fused[True][name].read == fused[False][name].read + products
     for k, (a, b) in enumerate(zip(results[False], results[True])):
         assert torch.equal(a, b), k
     torch._dynamo.reset()

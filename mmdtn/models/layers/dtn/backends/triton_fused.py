@@ -27,8 +27,8 @@ m = P_y u in another order, equal to float32 rounding. The three kernels:
                      programs (:data:`PROGRAMS`): the sums, float32 per program and channel, are
                      written once for all of them
 
-With :data:`KEEP_PRODUCTS` the output also writes m_0 and var_it (float32), and the token gradients
-read them instead of walking the band: more bytes, one walk fewer (off by default).
+With :data:`KEEP_PRODUCTS` the output also writes m_0 and var_it (float32), and the backward kernels
+read them instead of forming them again: more bytes, one walk fewer (off by default).
 
 dL/dm passes between the backward kernels in float32 for float32 tokens and in float16 for 16-bit
 tokens (:func:`gradient_dtype`). There each token's values of a head and moment are divided by the
@@ -98,15 +98,16 @@ EXPONENT_POINTERS = ('exponent_ptr',)
 #: call, which at batch 2 waits for the host, 0.58-0.72x the time; and a third of the memory.
 ENABLED = os.environ.get('MMDTN_TRITON_FUSED', '1') != '0'
 #: Whether the fused forward pass keeps its products for the backward pass: m_0 and var_it, two
-#: float32 values per channel and token, which the token gradients then read instead of walking
-#: the band again (``MMDTN_TRITON_KEEP_PRODUCTS=1``, read at import; off by default). That takes
-#: one of the backward pass's two walks per head and token (the input gradient's stays: its
-#: products are of dL/dm) for 8 bytes per channel and token written forward, read backward and
-#: kept between the passes: for float16 tokens 1.06-1.11x LayerNorm's bytes forward becomes
-#: 3.06-3.10x and 3.11-3.25x backward 4.44-4.58x (``benchmark_norm.py --tables traffic``), and a
-#: backbone keeps four times its tokens' bytes more per layer without pooling. On an H200 the
-#: token gradients, which it reduces to a pass over the tokens, took 338 of the layer's 722 us at
-#: PVT-Tiny's stage 3 (docs/gpu.md, "Measured on an H200"); it has not been timed on a GPU.
+#: float32 values per channel and token, which the backward kernels then read instead of forming
+#: them again (``MMDTN_TRITON_KEEP_PRODUCTS=1``, read at import; off by default). The token
+#: gradients walk no band then, and the input gradient's first walk forms the shares of the
+#: gradient of a^h alone (two matrix products a step of its six fewer): two walks per head and
+#: token backward instead of three. For 8 bytes per channel and token written forward, read twice
+#: backward and kept between the passes: for float16 tokens 1.06-1.11x LayerNorm's bytes forward
+#: becomes 3.06-3.10x and 3.11-3.25x backward 5.77-5.91x (``benchmark_norm.py --tables traffic``),
+#: and a layer without pooling keeps four times its tokens' bytes more. On an H200 the token
+#: gradients took 338 of the layer's 722 us at PVT-Tiny's stage 3 (docs/gpu.md, "Measured on an
+#: H200"); this has not been timed on a GPU.
 KEEP_PRODUCTS = os.environ.get('MMDTN_TRITON_KEEP_PRODUCTS', '0') == '1'
 #: The widest heads the fused passes take: up to 64 channels all three compile without spills on
 #: sm_80 and sm_90 (:data:`TILES`, :data:`ARCH_TILES`); for 128 the token-gradients kernel spilled
@@ -133,14 +134,15 @@ MAX_HEAD_CHANNELS = 64
 #: tokens); 16 tokens with 8 warps spill in no dtype on either (168-254 registers). Over several
 #: token rows (:data:`PROGRAMS`) it holds the parameter sums and the shares across them. The tokens
 #: are the rows of P_x in one tl.dot (at least 16). The token gradients that read the kept
-#: products (:data:`KEEP_PRODUCTS`) walk no band: with 16 tokens and 8 warps they spill in no dtype
-#: on sm_80 and sm_90 and an SM holds 32 of their warps for heads of 32 channels, 16-24 for 64
-#: (60-64 and 97-101 registers a thread); with the token gradients' 4 warps they spill 16-24 bytes
-#: on sm_90 for 16-bit tokens. Not yet timed.
+#: products (:data:`KEEP_PRODUCTS`) walk no band and form no product: with 8 tokens and 4 warps they
+#: spill in no dtype on sm_80 and sm_90 (56-72 registers a thread for heads of 32 channels, an SM
+#: holding 28-36 of their warps; 80-96 for 64, 20-24 warps); with the token gradients' 16 tokens
+#: they spill 16 bytes with 4 warps on sm_90 and with 8 on sm_80 for 16-bit tokens and heads of 32
+#: channels. Not yet timed.
 TILES = {
     'output': {32: (16, 8), 64: (16, 8)},
     'token_gradients': {32: (16, 4), 64: (16, 4)},
-    'kept_token_gradients': {32: (16, 8), 64: (16, 8)},
+    'kept_token_gradients': {32: (8, 4), 64: (8, 4)},
     'input_gradient': {32: (16, 8), 64: (16, 8)},
 }
 
@@ -411,46 +413,45 @@ def _factors(p_y_ptr, p_x_ptr, head, H, W):
 
 
 @triton.jit
-def _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, w, head, H, W, C,
-                       d, mean_ln, var_ln, eps, dm_first, dm_second, COEFFICIENTS: tl.constexpr,
-                       BAND: tl.constexpr, D_BLOCK: tl.constexpr, SPAN_BLOCK: tl.constexpr,
-                       UNROLL: tl.constexpr, STAGES: tl.constexpr):
+def _head_standardised(x_image, products_image, plane, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b,
+                       i, w, head, H, W, C, d, mean_ln, var_ln, eps, dm_first, dm_second,
+                       COEFFICIENTS: tl.constexpr, KEPT: tl.constexpr, BAND: tl.constexpr,
+                       D_BLOCK: tl.constexpr, SPAN_BLOCK: tl.constexpr, UNROLL: tl.constexpr,
+                       STAGES: tl.constexpr):
     """Eq. 5 by the products on chip inside Eq. 4 without the affine, for the channels of
     ``head`` of tokens w of token row i of image b, given Eq. 2 ([TOKENS, 1] each). Returns the
     tokens x [TOKENS, D_BLOCK], their mask and offsets, the head's channels, which are real, its
     centre, P_y^h and P_x^h, the first moment about the centre m_0 = mu_it - centre, var_it, the
     four ratio rows, rstd and xhat; and with COEFFICIENTS the tokens' share of the gradient of a^h
-    from their dL/dm ``dm_first``, ``dm_second`` (:func:`_products`; zeros without)."""
+    from their dL/dm ``dm_first``, ``dm_second`` (:func:`_products`; zeros without). With KEPT,
+    m_0 and var_it come as the forward pass kept them, two planes ``plane`` apart at
+    ``products_image`` (:data:`KEEP_PRODUCTS`), and the band is walked for the share alone."""
     channel, real, centre = _head(centre_ptr, b, head, C, d, D_BLOCK)
     p_y, p_x = _factors(p_y_ptr, p_x_ptr, head, H, W)
-    bands = _bands(p_y, p_x, i, w, H, W, False, SPAN_BLOCK)
-    first, second, da1, da2, da3 = _products(x_image, 0, x_image, 0, centre, p_y, p_x, bands, i,
-                                             w, H, W, W * C, C, channel, real, dm_first,
-                                             dm_second, True, False, True, COEFFICIENTS, BAND,
-                                             D_BLOCK, UNROLL, STAGES)
+    if KEPT:
+        mask, offsets = _head_offsets(i, w, head, W, C, d, D_BLOCK)
+        first = tl.load(products_image + offsets, mask=mask, other=0.0)
+        var_it = tl.load(products_image + plane + offsets, mask=mask, other=0.0)
+        da1, da2, da3 = 0.0, 0.0, 0.0
+        if COEFFICIENTS:
+            bands = _bands(p_y, p_x, i, w, H, W, False, SPAN_BLOCK)
+            _, _, da1, da2, da3 = _products(x_image, 0, x_image, 0, centre, p_y, p_x, bands, i, w,
+                                            H, W, W * C, C, channel, real, dm_first, dm_second,
+                                            True, False, False, True, BAND, D_BLOCK, UNROLL,
+                                            STAGES)
+    else:
+        bands = _bands(p_y, p_x, i, w, H, W, False, SPAN_BLOCK)
+        first, second, da1, da2, da3 = _products(x_image, 0, x_image, 0, centre, p_y, p_x, bands,
+                                                 i, w, H, W, W * C, C, channel, real, dm_first,
+                                                 dm_second, True, False, True, COEFFICIENTS, BAND,
+                                                 D_BLOCK, UNROLL, STAGES)
+        var_it = tl.maximum(second - first * first, 0.0)
     lam_m, kap_m, lam_v, kap_v = _ratio_rows(ratios_ptr + head * d, C, d, D_BLOCK)
-    var_it = tl.maximum(second - first * first, 0.0)
-    x, mask, offsets = _head_tokens(x_image, i, w, head, W, C, d, D_BLOCK)
+    x, mask, offsets = _head_tokens(x_image, i, w, head, W, C, d, D_BLOCK)  # after the walk
     rstd, xhat = _standardised(x, mean_ln, var_ln, first + centre, var_it, lam_m, kap_m, lam_v,
                                kap_v, eps)
     return (x, mask, offsets, channel, real, centre, p_y, p_x, first, var_it, lam_m, kap_m, lam_v,
             kap_v, rstd, xhat, da1, da2, da3)
-
-
-@triton.jit
-def _head_kept(x_image, products_image, plane, centre_ptr, ratios_ptr, b, i, w, head, W, C, d,
-               mean_ln, var_ln, eps, D_BLOCK: tl.constexpr):
-    """What :func:`_head_standardised` gives the token gradients (x, its mask and offsets, m_0,
-    var_it, the four ratio rows, rstd and xhat), from m_0 and var_it as the forward pass kept them
-    in two planes ``plane`` apart (:data:`KEEP_PRODUCTS`): no walk over the band."""
-    _, _, centre = _head(centre_ptr, b, head, C, d, D_BLOCK)
-    x, mask, offsets = _head_tokens(x_image, i, w, head, W, C, d, D_BLOCK)
-    first = tl.load(products_image + offsets, mask=mask, other=0.0)
-    var_it = tl.load(products_image + plane + offsets, mask=mask, other=0.0)
-    lam_m, kap_m, lam_v, kap_v = _ratio_rows(ratios_ptr + head * d, C, d, D_BLOCK)
-    rstd, xhat = _standardised(x, mean_ln, var_ln, first + centre, var_it, lam_m, kap_m, lam_v,
-                               kap_v, eps)
-    return x, mask, offsets, first, var_it, lam_m, kap_m, lam_v, kap_v, rstd, xhat
 
 
 # ---------------------------------------------------------------------------- forward
@@ -472,9 +473,9 @@ def _fused_output_kernel(x_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, weight
     mean_ln, var_ln = _ln_statistics(x_image, i, w, W, C, d, heads, n_var, D_BLOCK)
     for head in range(heads):
         (x, mask, offsets, _, _, _, _, _, first, var_it, _, _, _, _, _, xhat, _, _,
-         _) = _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b, i, w, head,
-                                 H, W, C, d, mean_ln, var_ln, eps, 0.0, 0.0, False, BAND, D_BLOCK,
-                                 SPAN_BLOCK, UNROLL, STAGES)
+         _) = _head_standardised(x_image, products_ptr, plane, centre_ptr, p_y_ptr, p_x_ptr,
+                                 ratios_ptr, b, i, w, head, H, W, C, d, mean_ln, var_ln, eps, 0.0,
+                                 0.0, False, False, BAND, D_BLOCK, SPAN_BLOCK, UNROLL, STAGES)
         gamma = _channel_row(weight_ptr + head * d, d, D_BLOCK)
         beta = _channel_row(bias_ptr + head * d, d, D_BLOCK)
         tl.store(y_image + offsets, (xhat * gamma + beta).to(y_ptr.dtype.element_ty), mask=mask)
@@ -524,16 +525,11 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
     tok1 = tl.zeros([TOKENS], tl.float32)  # sum_c D1 lambda_m
     tok2 = tl.zeros([TOKENS], tl.float32)  # sum_c D2 lambda_v
     for head in range(heads):
-        if KEEP:
-            x, mask, offsets, first, var_it, lam_m, kap_m, lam_v, kap_v, rstd, xhat = _head_kept(
-                x_image, products_ptr + image, plane, centre_ptr, ratios_ptr, b, i, w, head, W, C,
-                d, mean_ln, var_ln, eps, D_BLOCK)
-        else:
-            (x, mask, offsets, _, _, _, _, _, first, var_it, lam_m, kap_m, lam_v, kap_v, rstd,
-             xhat, _, _, _) = _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr,
-                                                 ratios_ptr, b, i, w, head, H, W, C, d, mean_ln,
-                                                 var_ln, eps, 0.0, 0.0, False, BAND, D_BLOCK,
-                                                 SPAN_BLOCK, UNROLL, STAGES)
+        (x, mask, offsets, _, _, _, _, _, first, var_it, lam_m, kap_m, lam_v, kap_v, rstd, xhat,
+         _, _, _) = _head_standardised(x_image, products_ptr + image, plane, centre_ptr, p_y_ptr,
+                                       p_x_ptr, ratios_ptr, b, i, w, head, H, W, C, d, mean_ln,
+                                       var_ln, eps, 0.0, 0.0, False, KEEP, BAND, D_BLOCK,
+                                       SPAN_BLOCK, UNROLL, STAGES)
         gamma = _channel_row(weight_ptr + head * d, d, D_BLOCK)
         g, _, _ = _head_tokens(g_image, i, w, head, W, C, d, D_BLOCK)
         d1 = g * gamma * rstd
@@ -560,18 +556,19 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
 # specialised on C and d: 16-byte token loads; without spills on sm_80 to sm_120 in every dtype
 @triton.jit(do_not_specialize=['H', 'W', 'rows'])
 def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr,
-                                 weight_ptr, scaled_dm_ptr, exponent_ptr, token_ptr, dx_ptr,
-                                 partial_ptr, coef_ptr, H, W, C, d, rows, eps,
+                                 weight_ptr, products_ptr, scaled_dm_ptr, exponent_ptr, token_ptr,
+                                 dx_ptr, partial_ptr, coef_ptr, H, W, C, d, rows, eps,
                                  TOKENS: tl.constexpr, BAND: tl.constexpr, D_BLOCK: tl.constexpr,
                                  SPAN_BLOCK: tl.constexpr, UNROLL: tl.constexpr,
-                                 STAGES: tl.constexpr):
+                                 STAGES: tl.constexpr, KEEP: tl.constexpr):
     """dx of head ``program_id(2)``'s channels of tokens w of up to ``rows`` token rows i of image
     b (program (b R + k, block, head) takes rows k rows ... k rows + rows - 1, R = ceil(H /
     rows)): D1 + x beta + alpha + dL/dT_0 + 2 (x - centre) dL/dT_1; the sums of xhat g, g,
     (mu_ln - mu_it) D1 and (var_ln - var_it) D2 over all its tokens
     (:data:`.triton_kernels.TIED_SUMS`), for the head's channels of the sums (4, C) of program (b R
     + k, block); and the program's share of the gradient of a^h, of (programs, heads, 3), formed
-    in the walk that forms m again."""
+    in the walk that forms m again (with KEEP m comes from the forward pass, ``products_ptr``, and
+    the walk forms the share alone)."""
     row_block, block, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row_blocks = tl.cdiv(H, rows)
     b, first_row = row_block // row_blocks, (row_block % row_blocks) * rows
@@ -599,10 +596,10 @@ def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, rat
         dm_first, dm_second = _source(dm_image, plane, exponents, exponent_plane, i * W + w,
                                       w < W, offsets, mask, 0.0, False)
         (x, mask, offsets, channel, real, centre, p_y, p_x, first, var_it, _, _, _, _, rstd, xhat,
-         da1, da2, da3) = _head_standardised(x_image, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, b,
-                                             i, w, head, H, W, C, d, mean_ln, var_ln, eps,
-                                             dm_first, dm_second, True, BAND, D_BLOCK,
-                                             SPAN_BLOCK, UNROLL, STAGES)
+         da1, da2, da3) = _head_standardised(x_image, products_ptr + image, plane, centre_ptr,
+                                             p_y_ptr, p_x_ptr, ratios_ptr, b, i, w, head, H, W, C,
+                                             d, mean_ln, var_ln, eps, dm_first, dm_second, True,
+                                             KEEP, BAND, D_BLOCK, SPAN_BLOCK, UNROLL, STAGES)
         share1 += da1
         share2 += da2
         share3 += da3
@@ -670,7 +667,6 @@ def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid, pro
     launch('triton.fused_token_gradients', spec, programs, operands, [dm, exponents, token],
            *operands, dm, exponents, token, grid.H, grid.W, C, grid.d, grid.heads, float(eps),
            float(n_var))
-    operands = operands[:-1]
     dx = torch.empty_like(x)
     spec = specs[2]
     blocks = cdiv(grid.W, spec[1]['TOKENS'])
@@ -734,8 +730,9 @@ def specializations(d, arch=None, keep=False):
     """(kernel, constexprs, launch options) of the fused passes for heads of d channels on compute
     capability ``arch`` (:func:`tiles`): the output, the token gradients and the input gradient;
     with ``keep`` the output keeps the products and the token gradients read them
-    (:data:`KEEP_PRODUCTS`)."""
+    (:data:`KEEP_PRODUCTS`), and the input gradient too, walking the band for the shares of the
+    gradient of a^h alone."""
     return (_spec(_fused_output_kernel, 'output', d, arch, KEEP=keep),
             _spec(_fused_token_gradients_kernel,
                   'kept_token_gradients' if keep else 'token_gradients', d, arch, KEEP=keep),
-            _spec(_fused_input_gradient_kernel, 'input_gradient', d, arch))
+            _spec(_fused_input_gradient_kernel, 'input_gradient', d, arch, KEEP=keep))
