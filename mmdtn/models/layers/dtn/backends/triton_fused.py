@@ -490,14 +490,16 @@ def fused_output(x, centre, p_y, p_x, ratios, weight, bias, eps, n_var, grid, ke
     Returns y and, with ``keep``, the products for the backward pass (:data:`KEEP_PRODUCTS`: m_0
     and var_it, (2, B, N, C) float32), else None."""
     y = torch.empty_like(x)
-    products = x.new_empty((2, *x.shape) if keep else (0, ), dtype=torch.float32)
     operands = [x, centre.contiguous(), p_y.contiguous(), p_x.contiguous(), ratios.contiguous(),
                 weight.contiguous(), bias.contiguous()]
+    products = x.new_empty(2, *x.shape, dtype=torch.float32) if keep else None
     spec = specializations(grid.d, architecture(x.device), keep)[0]
+    # without keep the kernel stores nothing at products_ptr: the centre (float32) stands in
     launch('triton.fused_output', spec, (grid.B * grid.H, cdiv(grid.W, spec[1]['TOKENS'])),
-           operands, [y, products], *operands, y, products, grid.H, grid.W, grid.C, grid.d,
-           grid.heads, float(eps), float(n_var))
-    return y, products if keep else None
+           operands, [y, products] if keep else [y], *operands, y,
+           products if keep else operands[1], grid.H, grid.W, grid.C, grid.d, grid.heads,
+           float(eps), float(n_var))
+    return y, products
 
 
 # ---------------------------------------------------------------------------- backward
@@ -655,8 +657,10 @@ def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid, pro
     B, N, C = x.shape
     keep = products is not None
     operands = [x, g, centre.contiguous(), p_y.contiguous(), p_x.contiguous(),
-                ratios.contiguous(), weight.contiguous(),
-                products if keep else x.new_empty(0, dtype=torch.float32)]
+                ratios.contiguous(), weight.contiguous()]
+    # without kept products the kernels read nothing at products_ptr: the centre stands in
+    read = [*operands, products] if keep else operands
+    operands = [*operands, products if keep else operands[2]]
     specs = specializations(grid.d, architecture(x.device), keep)
     spec = specs[1]
     programs = (B * grid.H, cdiv(grid.W, spec[1]['TOKENS']))
@@ -664,7 +668,7 @@ def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid, pro
     exponents = x.new_empty(2, B, grid.heads, N if dm.dtype != torch.float32 else 0,
                             dtype=torch.uint8)
     token = x.new_empty(B * N, 4, dtype=torch.float32)
-    launch('triton.fused_token_gradients', spec, programs, operands, [dm, exponents, token],
+    launch('triton.fused_token_gradients', spec, programs, read, [dm, exponents, token],
            *operands, dm, exponents, token, grid.H, grid.W, C, grid.d, grid.heads, float(eps),
            float(n_var))
     dx = torch.empty_like(x)
@@ -674,7 +678,7 @@ def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid, pro
     programs = (B * cdiv(grid.H, rows), blocks, grid.heads)
     partial = x.new_empty(programs[0] * programs[1], SUM_ROWS.value, C, dtype=torch.float32)
     shares = x.new_empty(programs[0] * programs[1], grid.heads, 3, dtype=torch.float32)
-    launch('triton.fused_input_gradient', spec, programs, [*operands, dm, exponents, token],
+    launch('triton.fused_input_gradient', spec, programs, [*read, dm, exponents, token],
            [dx, partial, shares], *operands, dm, exponents, token, dx, partial, shares, grid.H,
            grid.W, C, grid.d, rows, float(eps))
     return dx, partial, shares
