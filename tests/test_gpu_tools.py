@@ -180,7 +180,8 @@ def test_tuning_times_the_nearest_candidates_worth_timing():
 
 def test_fused_tile_tuning_tool():
     """tools/analysis/tune_fused_tiles.py, in the interpreter on grids 25 and 10 times smaller,
-    two candidates of the fused token gradients and of the cell products' backward: y and dx equal
+    two candidates of the fused token gradients (and of those that read kept products, with the
+    layer keeping them) and of the cell products' backward: y and dx equal
     the current tables', the fastest is marked and the tables of the kernel's module are printed
     as Python source; stages that do not run the kernels are refused; without the interpreter its
     spill check compiles a candidate for sm_90, and sm_80's own tiles for sm_80 (no GPU); the
@@ -189,15 +190,17 @@ def test_fused_tile_tuning_tool():
     env = {**os.environ, 'TRITON_INTERPRET': '1'}
     out = subprocess.run([sys.executable, tool, '--device', 'cpu', '--shrink', '25', '--batch',
                           '1', '--candidates', '2', '--stages', 'pvt_tiny:3', '--kernels',
-                          'token_gradients'], capture_output=True, text=True, timeout=600,
-                         env=env)
+                          'token_gradients', 'kept_token_gradients'], capture_output=True,
+                         text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     assert 'not checked for spills (interpreter)' in text
-    section = text.split('\ntoken_gradients, heads of 64 channels\n')[1].split('\n\n')[0]
-    lines = section.splitlines()
-    assert len(lines) == 2 and sum('<- fastest' in line for line in lines) == 1, text
-    assert max(float(line.split('(difference ')[1].split(')')[0]) for line in lines) < 2e-3
+    for kernel in ('token_gradients', 'kept_token_gradients'):  # the latter keeping the products
+        section = text.split(f'\n{kernel}, heads of 64 channels\n')[1].split('\n\n')[0]
+        lines = section.splitlines()
+        assert len(lines) == 2 and sum('<- fastest' in line for line in lines) == 1, text
+        assert max(float(line.split('(difference ')[1].split(')')[0]) for line in lines) < 2e-3
+    assert section.splitlines()[0].strip().startswith('(8, 4), (1, 1)'), section
     namespace = {}
     exec(text[text.index('TILES = {'):], namespace)
     assert set(namespace['TILES']) == set(namespace['WALKS']) == {
@@ -223,6 +226,8 @@ def test_fused_tile_tuning_tool():
     assert pooled.returncode == 2 and 'none of these stages runs output' in pooled.stderr
     assert_tool_check('import tune_fused_tiles as t; '
                       'print(t.spills("token_gradients", 64, 90, "float16"))')
+    assert_tool_check('import tune_fused_tiles as t; '
+                      'print(t.spills("kept_token_gradients", 32, 90, "float16"))')
     assert_tool_check('import tune_fused_tiles as t; '
                       'print(t.spills("products_backward", 32, 90, "float16"))')
     # TILES on sm_80, where the token gradients' tiles for heads of 32 channels once spilled

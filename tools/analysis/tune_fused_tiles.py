@@ -10,11 +10,13 @@ spills. On another GPU, run this tool and put the printed tables in their place
 candidate is written where the GPU's layer reads it: into ``ARCH_TILES`` for the kernels and widths
 it has for the GPU's architecture, else into ``TILES``.
 
-For every kernel (the fused output, token gradients and input gradient; the cell products and
-their backward) and head width (channels per head, padded to 32 or 64, and for the cell products
-to 16) of the chosen stages that run it (without pooling; with pooling), each candidate (tokens
-or cells of a row per program, warps; rows of P_y^h's band a step, loads in flight), the current
-tables first and then the nearest to them (other warps first: :func:`candidates`), is:
+For every kernel (the fused output, token gradients and input gradient, and the token gradients
+that read the products the fused forward pass keeps with ``MMDTN_TRITON_KEEP_PRODUCTS=1``, timed
+with the layers keeping them; the cell products and their backward) and head width (channels per
+head, padded to 32 or 64, and for the cell products to 16) of the chosen stages that run it
+(without pooling; with pooling), each candidate (tokens or cells of a row per program, warps; rows
+of P_y^h's band a step, loads in flight), the current tables first and then the nearest to them
+(other warps first: :func:`candidates`), is:
 
 1. compiled for the GPU's architecture without running (as ``compile_kernels.py``); candidates
    that spill registers, or whose register cap lets an SM hold no more of their warps than
@@ -59,8 +61,11 @@ from mmdtn.models.layers.dtn.backends.triton_launch import LaunchOptions
 #: The kernels in the order the tables list them, with their module and their index in the
 #: module's ``specializations``.
 KERNELS = {'output': (triton_fused, 0), 'token_gradients': (triton_fused, 1),
-           'input_gradient': (triton_fused, 2), 'products': (triton_cells, 0),
-           'products_backward': (triton_cells, 1)}
+           'kept_token_gradients': (triton_fused, 1), 'input_gradient': (triton_fused, 2),
+           'products': (triton_cells, 0), 'products_backward': (triton_cells, 1)}
+#: The kernels that run where the fused passes keep their products
+#: (``MMDTN_TRITON_KEEP_PRODUCTS=1``): tuned, and timed, with the layers keeping them.
+KEPT = {'kept_token_gradients'}
 #: Candidates: (tokens, warps[, registers a thread]) of TILES and (rows a step, loads in flight)
 #: of WALKS. ptxas gives a thread what it is allowed (255 registers for programs of up to 8 warps,
 #: 128 for 16) and often needs far less: on sm_90 (``compile_kernels.py``) the input gradient for
@@ -73,11 +78,24 @@ CANDIDATES = [(tile, walk) for tile, walk in itertools.product(
     [(16, 4), (16, 4, 168), (16, 4, 128), (16, 8), (16, 8, 128), (16, 16), (16, 2),
      (32, 4), (32, 4, 168), (32, 4, 128), (32, 8), (32, 8, 128), (32, 16), (32, 2)],
     [(1, 1), (2, 1), (2, 2)])]
+#: Candidates of the kernels of :data:`KEPT`, which walk no band (and form no matrix product: 8
+#: tokens a program are allowed).
+KEPT_CANDIDATES = [(tile, (1, 1)) for tile in
+                   [(8, 4), (8, 2), (8, 8), (16, 4), (16, 8), (16, 2), (32, 4), (32, 8)]]
 
 
 def module(kernel):
     """The module whose tables hold ``kernel``'s tiles (its home)."""
     return KERNELS[kernel][0]
+
+
+def specialization(kernel, d, arch):
+    """(kernel, constexprs, launch options) of ``kernel`` for heads of d channels on compute
+    capability ``arch``, with the tables as they are."""
+    home, index = KERNELS[kernel]
+    if home is triton_fused:
+        return home.specializations(d, arch, kernel in KEPT)[index]
+    return home.specializations(d, arch)[index]
 
 
 def current(kernel, d_block, arch):
@@ -96,8 +114,7 @@ def spills(kernel, d, arch, dtype):
     for sm_<arch>, tokens of ``dtype`` (its name, e.g. 'float16'; :func:`.tuning.spilled_bytes`),
     specialised on C and d as a layer of such heads is (C, a multiple of d, is a multiple of 16
     where d is)."""
-    home, index = KERNELS[kernel]
-    return spilled_bytes(home.specializations(d, arch)[index], dtype, arch, dict(C=d, d=d))
+    return spilled_bytes(specialization(kernel, d, arch), dtype, arch, dict(C=d, d=d))
 
 
 def left_out(kernel, d, arch, dtype):
@@ -105,8 +122,7 @@ def left_out(kernel, d, arch, dtype):
     sm_<arch> (tokens of ``dtype``, compiled as :func:`spills`): it spills, or its register cap
     lets an SM hold no more of its warps than the same tile without it (ptxas takes up to the cap
     where it would take fewer); None otherwise, and always in the interpreter."""
-    home, index = KERNELS[kernel]
-    spec = home.specializations(d, arch)[index]
+    spec = specialization(kernel, d, arch)
     resources = compiled_resources(spec, dtype, arch, dict(C=d, d=d))
     if resources is None:
         return None
@@ -182,14 +198,17 @@ def candidates(kernel, d_block, arch):
         return (other_tokens != tokens, other_walk != walk,
                 abs(math.log2(other_warps / warps)), -other_warps, other_cap != cap)
 
-    return [now] + sorted((c for c in CANDIDATES if c != now), key=distance)
+    pool = KEPT_CANDIDATES if kernel in KEPT else CANDIDATES
+    return [now] + sorted((c for c in pool if c != now), key=distance)
 
 
 def tune(kernel, d_block, stages, device, arch, count, progress):
     """Rows (candidate, total us, us per stage, difference; or candidate, None, [], why it is
     left out: :func:`left_out`) of the candidates of ``kernel`` for heads of ``d_block`` on
     compute capability ``arch`` (the GPU's; None in the interpreter), ``count`` of them timed
-    (:func:`.tuning.timed_candidates`), and the fastest; it is left in the tables."""
+    (:func:`.tuning.timed_candidates`), and the fastest; it is left in the tables. The layers
+    keep the fused passes' products while a kernel of :data:`KEPT` is tuned."""
+    triton_fused.KEEP_PRODUCTS = kernel in KEPT
     references = [stage.outputs() for stage in stages]
     dtype = str(stages[0].x.dtype).split('.')[-1]
 
@@ -273,7 +292,8 @@ def main():
               f'bytes on sm_{arch}: every candidate\'s time includes that kernel\'s (their order '
               'holds); tune it too', flush=True)
     jobs = [(kernel, d_block) for kernel in args.kernels for d_block in widths[module(kernel)]]
-    progress = tqdm(total=len(jobs) * len(CANDIDATES[:args.candidates]), desc='candidates timed')
+    progress = tqdm(total=sum(len(candidates(kernel, d_block, layout)[:args.candidates])
+                              for kernel, d_block in jobs), desc='candidates timed')
     for kernel, d_block in jobs:
         rows, best = tune(kernel, d_block, list(by_width[module(kernel)][d_block].values()),
                           device, layout, args.candidates, progress)
