@@ -137,9 +137,9 @@ class Saved:
         per token, u with pooling, and its fused forward pass's products without pooling (two
         moments of x's shape)."""
         T, m = (grid.column_major, grid.head_major) if grid.pooled else ((0, ), (0, ))
+        u = m if row_products else (0, )
         if fused_products:
             m = (2, *x.shape)
-        u = m if row_products else (0, )
         tokens = (grid.B, grid.N, 1) if token_statistics else (0, )
         return [x.new_empty(tokens, dtype=dtype), x.new_empty(tokens, dtype=dtype),
                 x.new_empty(grid.B, 1, 1, grid.C, dtype=dtype), x.new_empty(T, dtype=dtype),
