@@ -157,7 +157,7 @@ def test_tuning_times_the_nearest_candidates_worth_timing():
 
         def occupancy(kernel, d, tiles):
             t.set_candidate(kernel, d, None, (tiles, walk))
-            spec = t.module(kernel).specializations(d)[t.KERNELS[kernel][1]]
+            spec = t.specialization(kernel, d, None)
             regs, spilled, shared = compiled_resources(spec, 'float16', 90, dict(C=d, d=d))
             return spilled, resident_warps(regs, spec[2].num_warps, shared, 90)
 
