@@ -190,6 +190,30 @@ def test_fused_input_gradient_programs_of_several_token_rows(triton_dtn, fused_p
     assert sums and set(sums) == {2 * 7 * 20 * 8 * 4 + programs * (4 * 8 + 2 * 3) * 4}  # dx, sums
 
 
+@pytest.mark.parametrize('C,heads,hw,B,groups', [(8, 2, (3, 41), 2, 1), (12, 3, (5, 7), 3, 1),
+                                                 (12, 3, (5, 7), 3, 2), (12, 3, (5, 7), 3, 3)])
+def test_fused_heads_split_among_programs(triton_dtn, fused_passes, monkeypatch, C, heads, hw, B,
+                                          groups):
+    """Where a program per tile of tokens would make fewer than PROGRAMS output and
+    token-gradients programs, the heads are split among programs of the same tokens (here, as
+    PROGRAMS sets it: 3 heads in one program, in groups of 2 and 1, or one each; small grids like
+    these have one each by default), each forming Eq. 2 over all channels, and the token gradients
+    write a share of the gradient of Eq. 2 per group (float32 (groups, B N, 4)), added up before
+    the input gradient reads it. Forward and every gradient equal the dense reference to float32
+    rounding."""
+    tiles = -(-hw[1] // triton_fused.specializations(C // heads)[0][1]['TOKENS'])
+    programs = B * hw[0] * tiles
+    monkeypatch.setattr(triton_fused, 'PROGRAMS', programs * groups)
+    assert -(-heads // triton_fused.heads_per_program(programs, heads)) == groups
+    norm = randomize(DynamicTokenNorm(C, heads, eps=1e-5)).float().to(DEVICE)
+    x = tokens(B, *hw, C, torch.float32).to(DEVICE)
+    with recording_launches() as launches:
+        assert max(relative_errors(norm, x, hw)) < 1e-5
+    written = [k.written for k in launches if k.name == 'triton.fused_token_gradients']
+    tokens_bytes = B * hw[0] * hw[1] * 4  # per float32 value of a token
+    assert written and set(written) == {2 * tokens_bytes * C + 4 * groups * tokens_bytes}
+
+
 def test_fused_passes_take_the_tiles_of_the_gpus_architecture(
         triton_dtn, fused_passes, monkeypatch):
     """A GPU's compute capability selects the fused kernels' tiles: where ARCH_TILES has its own
@@ -383,18 +407,21 @@ def test_traffic_without_pooling(backend_setting, fused_passes):
         'triton.parameter_gradients', 'triton.parameters_backward']
 
 
-def test_kernel_loads_counts_what_the_interpreted_kernels_load(backend_setting, fused_passes):
+def test_kernel_loads_counts_what_the_interpreted_kernels_load(backend_setting, fused_passes,
+                                                               monkeypatch):
     """tools/analysis/kernel_loads.py adds up the bytes every load of the interpreted kernels asks
     for: the moments pass with pooling loads every token once (and the centre once per program);
-    the fused forward pass without pooling loads the tokens of a token row three times (Eq. 2 in
-    two passes, then the output) and every token row of the band once per token row: where the
-    band covers the grid, H + 3 times x. It counts their float operations: the fused forward's
-    tl.dot, P_x's weights of a program's tokens times the band's sums of a head, is 2 TOKENS BAND
-    D_BLOCK FLOPs per moment, band step, head and program, whatever its masks leave."""
+    the fused forward pass without pooling, its programs each of every head (PROGRAMS), loads the
+    tokens of a token row three times (Eq. 2 in two passes, then the output) and every token row
+    of the band once per token row: where the band covers the grid, H + 3 times x. It counts their
+    float operations: the fused forward's tl.dot, P_x's weights of a program's tokens times the
+    band's sums of a head, is 2 TOKENS BAND D_BLOCK FLOPs per moment, band step, head and program,
+    whatever its masks leave."""
     if not triton_backend.interpreting():
         pytest.skip('the loads are counted in Triton\'s interpreter (TRITON_INTERPRET=1)')
     sys.path.insert(0, os.path.join(ROOT, 'tools', 'analysis'))
     from kernel_loads import count
+    monkeypatch.setattr(triton_fused, 'PROGRAMS', 1)
     H, W, C = 6, 9, 8
     x_bytes = H * W * C * 4
     moments = count(C, 2, 2, H, W, torch.float32)['forward']['triton.moments']

@@ -27,6 +27,13 @@ m = P_y u in another order, equal to float32 rounding. The three kernels:
                      programs (:data:`PROGRAMS`): the sums, float32 per program and channel, are
                      written once for all of them
 
+The output and the token gradients form Eq. 2 over all channels and the products head by head;
+where a program per token tile would make fewer than :data:`PROGRAMS` programs (PVT-Tiny's and
+Swin-T's stage 4 at 800 x 1344, batch 2: 150), the heads are split among several programs of the
+same tokens (:func:`heads_per_program`), each forming Eq. 2 again from the cache; the token
+gradients' per-token gradient of Eq. 2 is then a share per group of heads, added up (one PyTorch
+sum) before the input gradient reads it.
+
 With :data:`KEEP_PRODUCTS` the output also writes m_0 and var_it (float32), and the backward kernels
 read them instead of forming them again: more bytes, one walk fewer (off by default).
 
@@ -77,7 +84,7 @@ from .triton_launch import LaunchOptions, cdiv, launch
 __all__ = ['can_fuse', 'fuses', 'keeps_products', 'fused_output', 'fused_backward',
            'specializations', 'architecture', 'tiles', 'tiles_table', 'gradient_dtype',
            'MAX_HEAD_CHANNELS', 'KEEP_PRODUCTS', 'GRADIENT_POINTERS', 'EXPONENT_POINTERS',
-           'PROGRAMS', 'rows_per_program']
+           'PROGRAMS', 'rows_per_program', 'heads_per_program']
 
 #: Token columns of the band per step: the inner dimension of the products with P_x (tl.dot's
 #: least, 16).
@@ -104,7 +111,7 @@ ENABLED = os.environ.get('MMDTN_TRITON_FUSED', '1') != '0'
 #: gradient of a^h alone (two matrix products a step of its six fewer): two walks per head and
 #: token backward instead of three. For 8 bytes per channel and token written forward, read twice
 #: backward and kept between the passes: for float16 tokens 1.06-1.11x LayerNorm's bytes forward
-#: becomes 3.06-3.10x and 3.11-3.25x backward 5.77-5.91x (``benchmark_norm.py --tables traffic``),
+#: becomes 3.06-3.10x and 3.11-3.31x backward 5.77-5.94x (``benchmark_norm.py --tables traffic``),
 #: and a layer without pooling keeps four times its tokens' bytes more. On an H200 the token
 #: gradients took 338 of the layer's 722 us at PVT-Tiny's stage 3 (docs/gpu.md, "Measured on an
 #: H200"); this has not been timed on a GPU.
@@ -181,6 +188,11 @@ WALKS = {
 #: rows (:func:`rows_per_program`) and writes the parameter sums (4 float32 values per channel)
 #: once for all of them. On an H200, 256 to 2048 (and a row each) were within 3% of 512 at
 #: PVT-Tiny's stage 3 (132: 11% more time); Swin-T's stage 4 took 3-4% less with 2048.
+#: The output and the token-gradients programs, of every head of a tile of tokens, are too few
+#: where there are fewer tiles than this: at PVT-Tiny's and Swin-T's stage 4 (25 x 42 tokens at 800
+#: x 1344, batch 2) 150, one program an SM with 8 and 24 heads to walk one after the other. There
+#: the heads are split among programs (:func:`heads_per_program`): 4 groups, 600 programs. Not yet
+#: timed on a GPU.
 PROGRAMS = 512
 
 
@@ -454,16 +466,29 @@ def _head_standardised(x_image, products_image, plane, centre_ptr, p_y_ptr, p_x_
             kap_v, rstd, xhat, da1, da2, da3)
 
 
+@triton.jit
+def _group_heads(heads, group_heads, SPLIT: tl.constexpr):
+    """The heads a program of the output or the token gradients takes, first and end: with SPLIT
+    group ``program_id(2)`` of ``group_heads`` heads (the last may have fewer), else all."""
+    if SPLIT:
+        first_head = tl.program_id(2) * group_heads
+        return first_head, tl.minimum(heads, first_head + group_heads)
+    else:
+        return 0, heads
+
+
 # ---------------------------------------------------------------------------- forward
 # not specialised on C and d: with them its tiles spilled 8-56 bytes on sm_86, sm_89, sm_100, sm_120
-@triton.jit(do_not_specialize=['H', 'W', 'C', 'd', 'heads'])
+@triton.jit(do_not_specialize=['H', 'W', 'C', 'd', 'heads', 'group_heads'])
 def _fused_output_kernel(x_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, weight_ptr, bias_ptr,
-                         y_ptr, products_ptr, H, W, C, d, heads, eps, n_var,
+                         y_ptr, products_ptr, H, W, C, d, heads, group_heads, eps, n_var,
                          TOKENS: tl.constexpr, BAND: tl.constexpr, D_BLOCK: tl.constexpr,
                          SPAN_BLOCK: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr,
-                         KEEP: tl.constexpr):
+                         KEEP: tl.constexpr, SPLIT: tl.constexpr):
     """y of tokens w = block * TOKENS ... of token row i of image b (program (b H + i, block));
-    with KEEP also m_0 and var_it, two planes (2, B, N, C) float32 at ``products_ptr``."""
+    with SPLIT the channels of heads ``group_heads`` group ... only (program (b H + i, block,
+    group); Eq. 2 over all channels). With KEEP also m_0 and var_it, two planes (2, B, N, C)
+    float32 at ``products_ptr``."""
     row, block = tl.program_id(0), tl.program_id(1)
     b, i = row // H, row % H
     w = block * TOKENS + tl.arange(0, TOKENS)
@@ -471,7 +496,8 @@ def _fused_output_kernel(x_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, weight
     plane = (tl.num_programs(0) // H).to(tl.int64) * H * W * C  # B N C
     x_image, y_image = x_ptr + image, y_ptr + image
     mean_ln, var_ln = _ln_statistics(x_image, i, w, W, C, d, heads, n_var, D_BLOCK)
-    for head in range(heads):
+    first_head, end = _group_heads(heads, group_heads, SPLIT)
+    for head in range(first_head, end):
         (x, mask, offsets, _, _, _, _, _, first, var_it, _, _, _, _, _, xhat, _, _,
          _) = _head_standardised(x_image, products_ptr, plane, centre_ptr, p_y_ptr, p_x_ptr,
                                  ratios_ptr, b, i, w, head, H, W, C, d, mean_ln, var_ln, eps, 0.0,
@@ -493,28 +519,33 @@ def fused_output(x, centre, p_y, p_x, ratios, weight, bias, eps, n_var, grid, ke
     operands = [x, centre.contiguous(), p_y.contiguous(), p_x.contiguous(), ratios.contiguous(),
                 weight.contiguous(), bias.contiguous()]
     products = x.new_empty(2, *x.shape, dtype=torch.float32) if keep else None
-    spec = specializations(grid.d, architecture(x.device), keep)[0]
+    programs, group_heads = head_programs(grid, tiles('output', head_block(grid.d),
+                                                      architecture(x.device))[0])
+    spec = specializations(grid.d, architecture(x.device), keep, programs[2] > 1)[0]
     # without keep the kernel stores nothing at products_ptr: the centre (float32) stands in
-    launch('triton.fused_output', spec, (grid.B * grid.H, cdiv(grid.W, spec[1]['TOKENS'])),
-           operands, [y, products] if keep else [y], *operands, y,
-           products if keep else operands[1], grid.H, grid.W, grid.C, grid.d, grid.heads,
-           float(eps), float(n_var))
+    launch('triton.fused_output', spec, programs, operands, [y, products] if keep else [y],
+           *operands, y, products if keep else operands[1], grid.H, grid.W, grid.C, grid.d,
+           grid.heads, group_heads, float(eps), float(n_var))
     return y, products
 
 
 # ---------------------------------------------------------------------------- backward
 # not specialised on C and d: with them its tiles spill 48-52 bytes on sm_86, sm_90 (float32, d 32)
-@triton.jit(do_not_specialize=['H', 'W', 'C', 'd', 'heads'])
+@triton.jit(do_not_specialize=['H', 'W', 'C', 'd', 'heads', 'group_heads'])
 def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr,
                                   weight_ptr, products_ptr, scaled_dm_ptr, exponent_ptr, token_ptr,
-                                  H, W, C, d, heads, eps, n_var, TOKENS: tl.constexpr,
+                                  H, W, C, d, heads, group_heads, eps, n_var, TOKENS: tl.constexpr,
                                   BAND: tl.constexpr, D_BLOCK: tl.constexpr,
                                   SPAN_BLOCK: tl.constexpr, UNROLL: tl.constexpr,
-                                  STAGES: tl.constexpr, KEEP: tl.constexpr):
+                                  STAGES: tl.constexpr, KEEP: tl.constexpr, SPLIT: tl.constexpr):
     """For tokens w of token row i of image b (program (b H + i, block)): dL/dm (two planes (2,
     B, N, C) as :func:`_store_scaled` stores them; for 16-bit tokens the exponents (2, B, heads,
     N)) and per token mean_ln, var_ln and the gradient of Eq. 2 as dx = ... + x beta + alpha
-    (``token_ptr``, (B N, 4)). With KEEP the products come from the forward pass
+    (``token_ptr``, (B N, 4)). With SPLIT for the channels of heads ``group_heads`` group ...
+    only (program (b H + i, block, group)), into plane ``group`` of (groups, B N, 4): the group's
+    share of beta and alpha, and mean_ln and var_ln in group 0's plane (the others' are zeros as
+    allocated), so that the planes add up to the token values (the gradient of Eq. 2 is linear in
+    the heads' sums). With KEEP the products come from the forward pass
     (``products_ptr``, :func:`_fused_output_kernel`'s), without it from a walk over the band."""
     row, block = tl.program_id(0), tl.program_id(1)
     b, i = row // H, row % H
@@ -526,7 +557,8 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
     mean_ln, var_ln = _ln_statistics(x_image, i, w, W, C, d, heads, n_var, D_BLOCK)
     tok1 = tl.zeros([TOKENS], tl.float32)  # sum_c D1 lambda_m
     tok2 = tl.zeros([TOKENS], tl.float32)  # sum_c D2 lambda_v
-    for head in range(heads):
+    first_head, end = _group_heads(heads, group_heads, SPLIT)
+    for head in range(first_head, end):
         (x, mask, offsets, _, _, _, _, _, first, var_it, lam_m, kap_m, lam_v, kap_v, rstd, xhat,
          _, _, _) = _head_standardised(x_image, products_ptr + image, plane, centre_ptr, p_y_ptr,
                                        p_x_ptr, ratios_ptr, b, i, w, head, H, W, C, d, mean_ln,
@@ -545,12 +577,18 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
         _store_scaled(dm_image, exponents, i * W + w, w < W, offsets, mask, dm_first)
         _store_scaled(dm_image + plane, exponents + exponent_plane, i * W + w, w < W, offsets,
                       mask, dm_second)
-    # the gradient through Eq. 2 (function.ln_gradient): dx = ... + x beta + alpha
+    # the gradient through Eq. 2 (function.ln_gradient): dx = ... + x beta + alpha (with SPLIT
+    # this group's share)
     beta = -tok2 / n_var
     alpha = -tok1 / C - beta * tl.reshape(mean_ln, [TOKENS])
     token = token_ptr + (b.to(tl.int64) * H * W + i * W + w) * 4
-    tl.store(token, tl.reshape(mean_ln, [TOKENS]), mask=w < W)
-    tl.store(token + 1, tl.reshape(var_ln, [TOKENS]), mask=w < W)
+    first = w < W
+    if SPLIT:  # group k's plane; mean_ln and var_ln in group 0's (the others' hold zeros)
+        group = tl.program_id(2)
+        token += group.to(tl.int64) * (tl.num_programs(0) // H) * H * W * 4
+        first = first & (group == 0)
+    tl.store(token, tl.reshape(mean_ln, [TOKENS]), mask=first)
+    tl.store(token + 1, tl.reshape(var_ln, [TOKENS]), mask=first)
     tl.store(token + 2, beta, mask=w < W)
     tl.store(token + 3, alpha, mask=w < W)
 
@@ -648,6 +686,23 @@ def rows_per_program(programs, H):
     return cdiv(H, cdiv(H, rows))
 
 
+def heads_per_program(programs, heads):
+    """Heads per output and token-gradients program, where a program with every head would make
+    ``programs``: all where those are at least :data:`PROGRAMS`, else the heads split evenly into
+    up to PROGRAMS / programs groups (rounded up; at most a group a head)."""
+    groups = min(heads, max(1, cdiv(PROGRAMS, programs)))
+    return cdiv(heads, groups)
+
+
+def head_programs(grid, tokens):
+    """The programs of the output and the token gradients for tiles of ``tokens`` tokens, (B H,
+    blocks of a token row, groups of heads), and the heads of a group
+    (:func:`heads_per_program`)."""
+    programs = grid.B * grid.H * cdiv(grid.W, tokens)
+    group_heads = heads_per_program(programs, grid.heads)
+    return ((grid.B * grid.H, cdiv(grid.W, tokens), cdiv(grid.heads, group_heads)), group_heads)
+
+
 def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid, products=None):
     """dx (x's shape and dtype), the input-gradient programs' sums (programs, 4, C) for the weight,
     the bias and the ratios (as :func:`.triton_kernels.token_gradients`') and their shares
@@ -661,16 +716,22 @@ def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid, pro
     # without kept products the kernels read nothing at products_ptr: the centre stands in
     read = [*operands, products] if keep else operands
     operands = [*operands, products if keep else operands[2]]
-    specs = specializations(grid.d, architecture(x.device), keep)
+    arch = architecture(x.device)
+    programs, group_heads = head_programs(grid, tiles(
+        'kept_token_gradients' if keep else 'token_gradients', head_block(grid.d), arch)[0])
+    groups = programs[2]
+    specs = specializations(grid.d, arch, keep, groups > 1)
     spec = specs[1]
-    programs = (B * grid.H, cdiv(grid.W, spec[1]['TOKENS']))
     dm = x.new_empty(2, B, N, C, dtype=gradient_dtype(x.dtype))
     exponents = x.new_empty(2, B, grid.heads, N if dm.dtype != torch.float32 else 0,
                             dtype=torch.uint8)
-    token = x.new_empty(B * N, 4, dtype=torch.float32)
+    # split, the groups' planes but group 0's keep zeros for mean_ln and var_ln
+    token = (torch.zeros if groups > 1 else torch.empty)(groups, B * N, 4, dtype=torch.float32,
+                                                         device=x.device)
     launch('triton.fused_token_gradients', spec, programs, read, [dm, exponents, token],
-           *operands, dm, exponents, token, grid.H, grid.W, C, grid.d, grid.heads, float(eps),
-           float(n_var))
+           *operands, dm, exponents, token, grid.H, grid.W, C, grid.d, grid.heads, group_heads,
+           float(eps), float(n_var))
+    token = token.sum(0) if groups > 1 else token[0]  # the groups' shares, in a fixed order
     dx = torch.empty_like(x)
     spec = specs[2]
     blocks = cdiv(grid.W, spec[1]['TOKENS'])
@@ -730,13 +791,15 @@ def _spec(kernel, name, d, arch, **constexprs):
 
 
 @functools.lru_cache(maxsize=None)
-def specializations(d, arch=None, keep=False):
+def specializations(d, arch=None, keep=False, split=False):
     """(kernel, constexprs, launch options) of the fused passes for heads of d channels on compute
     capability ``arch`` (:func:`tiles`): the output, the token gradients and the input gradient;
     with ``keep`` the output keeps the products and the token gradients read them
     (:data:`KEEP_PRODUCTS`), and the input gradient too, walking the band for the shares of the
-    gradient of a^h alone."""
-    return (_spec(_fused_output_kernel, 'output', d, arch, KEEP=keep),
+    gradient of a^h alone; with ``split`` the output and the token gradients take a group of heads
+    a program (:func:`heads_per_program`)."""
+    return (_spec(_fused_output_kernel, 'output', d, arch, KEEP=keep, SPLIT=split),
             _spec(_fused_token_gradients_kernel,
-                  'kept_token_gradients' if keep else 'token_gradients', d, arch, KEEP=keep),
+                  'kept_token_gradients' if keep else 'token_gradients', d, arch, KEEP=keep,
+                  SPLIT=split),
             _spec(_fused_input_gradient_kernel, 'input_gradient', d, arch, KEEP=keep))

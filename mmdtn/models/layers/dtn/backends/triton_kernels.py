@@ -585,12 +585,13 @@ def _input_gradient_spec(C, pool, second):
 def specializations(C, pool, heads, square_of_pooled=False, fused=None, arch=None, keep=None):
     """The compiled kernels one DTN layer of C channels in ``heads`` heads and pooling ``pool``
     launches, forward and backward, as (kernel, constexprs, num_warps): what a GPU of compute
-    capability ``arch`` compiles for it (the tokens' dtype aside). The image size is not part of
-    it. With ``fused`` (default: the settings, :data:`.triton_fused.ENABLED` and
-    :data:`.triton_cells.ENABLED`) the products are formed on chip where the heads allow: without
-    pooling in the fused passes (:mod:`.triton_fused`, whose tiles depend on ``arch``; with
-    ``keep``, default :data:`.triton_fused.KEEP_PRODUCTS`, keeping their products between the
-    passes), with pooling on the cell grid (:mod:`.triton_cells`); otherwise the band products
+    capability ``arch`` compiles for it (the tokens' dtype aside), at any image size: the fused
+    passes both with their heads split among programs (small grids) and not. With ``fused``
+    (default: the settings, :data:`.triton_fused.ENABLED` and :data:`.triton_cells.ENABLED`) the
+    products are formed on chip where the heads allow: without pooling in the fused passes
+    (:mod:`.triton_fused`, whose tiles depend on ``arch``; with ``keep``, default
+    :data:`.triton_fused.KEEP_PRODUCTS`, keeping their products between the passes), with pooling on
+    the cell grid (:mod:`.triton_cells`); otherwise the band products
     (:func:`.triton_band.specializations`) run between these passes."""
     from . import triton_cells, triton_fused  # which import this module's pieces of Eqs. 4-5
     d = C // heads
@@ -601,7 +602,8 @@ def specializations(C, pool, heads, square_of_pooled=False, fused=None, arch=Non
                         fused and triton_cells.can_form_products(pool, d))
     if fused:
         keep = triton_fused.KEEP_PRODUCTS if keep is None else keep
-        return [*triton_fused.specializations(d, arch, keep), _parameter_gradients_spec()]
+        return [*triton_fused.specializations(d, arch, keep), _parameter_gradients_spec(),
+                *triton_fused.specializations(d, arch, keep, split=True)]
     passes = [_output_spec(C, pool), _token_gradients_spec(C, pool), _parameter_gradients_spec(),
               _input_gradient_spec(C, pool, pool == 1 or not square_of_pooled)]
     if pool > 1:  # T of the tokens: no moments pass without pooling
