@@ -138,7 +138,9 @@ def test_tuning_times_the_nearest_candidates_worth_timing():
     for sm_90, the input gradient for heads of 32 channels with 16 warps (at most 128 registers a
     thread) and the token gradients for heads of 64 channels with 8 warps capped at 128 registers
     (4 capped at 168) do not spill, and an SM holds 16 of their warps (12; 8 with the tables);
-    the fused output, 24 warps an SM with 8 warps a program, would hold 16 capped at 128."""
+    the fused output, 24 warps an SM with 8 warps a program, would hold 16 capped at 128. The
+    fused output and token gradients are checked in both their forms (every head in a program,
+    and the heads split among programs, as on small grids)."""
     assert_tool_check(textwrap.dedent('''
         import tune_fused_tiles as t
         from compile_kernels import resident_warps
@@ -174,6 +176,9 @@ def test_tuning_times_the_nearest_candidates_worth_timing():
         bad |= not left_out('input_gradient', 32, (16, 8, 128)).startswith('spills')
         bad |= 'an SM holds 16 warps, 24 without the cap' not in left_out(
             'output', 64, (16, 8, 128), (1, 1))
+        # the output and the token gradients are checked as they run on every grid
+        bad |= [f[1]['SPLIT'] for f in t.forms('token_gradients', 64, 90)] != [False, True]
+        bad |= len(t.forms('input_gradient', 64, 90)) != 1
         print(int(bad))
         '''))
 

@@ -89,13 +89,23 @@ def module(kernel):
     return KERNELS[kernel][0]
 
 
-def specialization(kernel, d, arch):
+def specialization(kernel, d, arch, split=False):
     """(kernel, constexprs, launch options) of ``kernel`` for heads of d channels on compute
-    capability ``arch``, with the tables as they are."""
+    capability ``arch``, with the tables as they are; with ``split`` as the fused output and token
+    gradients run on small grids, their heads split among programs."""
     home, index = KERNELS[kernel]
     if home is triton_fused:
-        return home.specializations(d, arch, kernel in KEPT)[index]
+        return home.specializations(d, arch, kernel in KEPT, split)[index]
     return home.specializations(d, arch)[index]
+
+
+def forms(kernel, d, arch):
+    """The specialisations ``kernel`` runs as for heads of d channels (:func:`specialization`):
+    the fused output and token gradients with every head in a program and with the heads split
+    (the tile serves both), the others one."""
+    home, index = KERNELS[kernel]
+    splits = (False, True) if home is triton_fused and index < 2 else (False, )
+    return [specialization(kernel, d, arch, split) for split in splits]
 
 
 def current(kernel, d_block, arch):
@@ -113,22 +123,24 @@ def spills(kernel, d, arch, dtype):
     """Bytes spilled by ``kernel`` for heads of d channels with the tables as they are, compiled
     for sm_<arch>, tokens of ``dtype`` (its name, e.g. 'float16'; :func:`.tuning.spilled_bytes`),
     specialised on C and d as a layer of such heads is (C, a multiple of d, is a multiple of 16
-    where d is)."""
-    return spilled_bytes(specialization(kernel, d, arch), dtype, arch, dict(C=d, d=d))
+    where d is); the most of its :func:`forms`."""
+    spilled = [spilled_bytes(spec, dtype, arch, dict(C=d, d=d)) for spec in forms(kernel, d, arch)]
+    return None if None in spilled else max(spilled)
 
 
 def left_out(kernel, d, arch, dtype):
     """Why ``kernel`` for heads of d channels with the tables as they are is not worth timing on
-    sm_<arch> (tokens of ``dtype``, compiled as :func:`spills`): it spills, or its register cap
-    lets an SM hold no more of its warps than the same tile without it (ptxas takes up to the cap
-    where it would take fewer); None otherwise, and always in the interpreter."""
-    spec = specialization(kernel, d, arch)
-    resources = compiled_resources(spec, dtype, arch, dict(C=d, d=d))
-    if resources is None:
+    sm_<arch> (tokens of ``dtype``, compiled as :func:`spills`): it spills in one of its
+    :func:`forms`, or its register cap lets an SM hold no more of its warps than the same tile
+    without it (ptxas takes up to the cap where it would take fewer; checked with every head in a
+    program); None otherwise, and always in the interpreter."""
+    spilled = spills(kernel, d, arch, dtype)
+    if spilled is None:
         return None
-    registers, spilled, shared = resources
     if spilled:
         return f'spills {spilled} bytes on sm_{arch}'
+    spec = specialization(kernel, d, arch)
+    registers, _, shared = compiled_resources(spec, dtype, arch, dict(C=d, d=d))
     options = spec[2]
     if options.maxnreg is None or arch not in LIMITS:
         return None
