@@ -190,20 +190,23 @@ def test_fused_input_gradient_programs_of_several_token_rows(triton_dtn, fused_p
     assert sums and set(sums) == {2 * 7 * 20 * 8 * 4 + programs * (4 * 8 + 2 * 3) * 4}  # dx, sums
 
 
-@pytest.mark.parametrize('C,heads,hw,B,groups', [(8, 2, (3, 41), 2, 1), (12, 3, (5, 7), 3, 1),
-                                                 (12, 3, (5, 7), 3, 2), (12, 3, (5, 7), 3, 3)])
+@pytest.mark.parametrize('C,heads,hw,B,groups,split', [
+    (8, 2, (3, 41), 2, 1, True), (12, 3, (5, 7), 3, 1, True), (12, 3, (5, 7), 3, 2, True),
+    (12, 3, (5, 7), 3, 3, True), (12, 3, (5, 7), 3, 3, False)])
 def test_fused_heads_split_among_programs(triton_dtn, fused_passes, monkeypatch, C, heads, hw, B,
-                                          groups):
+                                          groups, split):
     """Where a program per tile of tokens would make fewer than PROGRAMS output and
     token-gradients programs, the heads are split among programs of the same tokens (here, as
     PROGRAMS sets it: 3 heads in one program, in groups of 2 and 1, or one each; small grids like
     these have one each by default), each forming Eq. 2 over all channels, and the token gradients
     write a share of the gradient of Eq. 2 per group (float32 (groups, B N, 4)), added up before
-    the input gradient reads it. Forward and every gradient equal the dense reference to float32
-    rounding."""
+    the input gradient reads it; with MMDTN_TRITON_SPLIT_HEADS=0 every head stays in one program.
+    Forward and every gradient equal the dense reference to float32 rounding."""
     tiles = -(-hw[1] // triton_fused.specializations(C // heads)[0][1]['TOKENS'])
     programs = B * hw[0] * tiles
     monkeypatch.setattr(triton_fused, 'PROGRAMS', programs * groups)
+    monkeypatch.setattr(triton_fused, 'SPLIT_HEADS', split)
+    groups = groups if split else 1
     assert -(-heads // triton_fused.heads_per_program(programs, heads)) == groups
     norm = randomize(DynamicTokenNorm(C, heads, eps=1e-5)).float().to(DEVICE)
     x = tokens(B, *hw, C, torch.float32).to(DEVICE)

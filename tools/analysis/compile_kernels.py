@@ -3,7 +3,8 @@ report registers, spills, shared memory and resident warps per kernel.
 
 Every kernel specialisation that the DTN layers of the given backbones launch (forward and backward;
 the products on chip, fused without pooling and on the cell grid with pooling, the fused passes
-also keeping their products, ``MMDTN_TRITON_KEEP_PRODUCTS=1``, and one factor at a time,
+with their heads in one program and split among programs (small grids; ``MMDTN_TRITON_SPLIT_HEADS``)
+and also keeping their products, ``MMDTN_TRITON_KEEP_PRODUCTS=1``, and one factor at a time,
 ``MMDTN_TRITON_FUSED=0``; the tokens' dtypes given; both statistics conventions with
 ``--reference-compat``) is compiled by Triton's own compiler for each ``--arch`` (``triton.compile``
 with a ``GPUTarget``, then NVIDIA's ``ptxas``, both shipped with triton). The resource use comes

@@ -84,7 +84,7 @@ from .triton_launch import LaunchOptions, cdiv, launch
 __all__ = ['can_fuse', 'fuses', 'keeps_products', 'fused_output', 'fused_backward',
            'specializations', 'architecture', 'tiles', 'tiles_table', 'gradient_dtype',
            'MAX_HEAD_CHANNELS', 'KEEP_PRODUCTS', 'GRADIENT_POINTERS', 'EXPONENT_POINTERS',
-           'PROGRAMS', 'rows_per_program', 'heads_per_program']
+           'PROGRAMS', 'SPLIT_HEADS', 'rows_per_program', 'heads_per_program']
 
 #: Token columns of the band per step: the inner dimension of the products with P_x (tl.dot's
 #: least, 16).
@@ -194,6 +194,10 @@ WALKS = {
 #: the heads are split among programs (:func:`heads_per_program`): 4 groups, 600 programs. Not yet
 #: timed on a GPU.
 PROGRAMS = 512
+#: Whether the output and the token gradients split the heads among programs where there are
+#: fewer than :data:`PROGRAMS` (:func:`heads_per_program`); ``MMDTN_TRITON_SPLIT_HEADS=0`` keeps
+#: every head in one program, as before the split, to compare on a GPU (read at import).
+SPLIT_HEADS = os.environ.get('MMDTN_TRITON_SPLIT_HEADS', '1') != '0'
 
 
 def can_fuse(pool, d):
@@ -688,8 +692,11 @@ def rows_per_program(programs, H):
 
 def heads_per_program(programs, heads):
     """Heads per output and token-gradients program, where a program with every head would make
-    ``programs``: all where those are at least :data:`PROGRAMS`, else the heads split evenly into
-    up to PROGRAMS / programs groups (rounded up; at most a group a head)."""
+    ``programs``: all where those are at least :data:`PROGRAMS` or without :data:`SPLIT_HEADS`,
+    else the heads split evenly into up to PROGRAMS / programs groups (rounded up; at most a group
+    a head)."""
+    if not SPLIT_HEADS:
+        return heads
     groups = min(heads, max(1, cdiv(PROGRAMS, programs)))
     return cdiv(heads, groups)
 
