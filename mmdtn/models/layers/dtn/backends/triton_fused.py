@@ -523,9 +523,9 @@ def fused_output(x, centre, p_y, p_x, ratios, weight, bias, eps, n_var, grid, ke
     operands = [x, centre.contiguous(), p_y.contiguous(), p_x.contiguous(), ratios.contiguous(),
                 weight.contiguous(), bias.contiguous()]
     products = x.new_empty(2, *x.shape, dtype=torch.float32) if keep else None
-    programs, group_heads = head_programs(grid, tiles('output', head_block(grid.d),
-                                                      architecture(x.device))[0])
-    spec = specializations(grid.d, architecture(x.device), keep, programs[2] > 1)[0]
+    arch = architecture(x.device)
+    programs, group_heads = head_programs(grid, specializations(grid.d, arch, keep)[0])
+    spec = specializations(grid.d, arch, keep, programs[2] > 1)[0]
     # without keep the kernel stores nothing at products_ptr: the centre (float32) stands in
     launch('triton.fused_output', spec, programs, operands, [y, products] if keep else [y],
            *operands, y, products if keep else operands[1], grid.H, grid.W, grid.C, grid.d,
@@ -701,10 +701,11 @@ def heads_per_program(programs, heads):
     return cdiv(heads, groups)
 
 
-def head_programs(grid, tokens):
-    """The programs of the output and the token gradients for tiles of ``tokens`` tokens, (B H,
-    blocks of a token row, groups of heads), and the heads of a group
+def head_programs(grid, spec):
+    """The programs of the output or the token gradients ``spec`` (its tile; the same split or
+    not) on ``grid``, (B H, blocks of a token row, groups of heads), and the heads of a group
     (:func:`heads_per_program`)."""
+    tokens = spec[1]['TOKENS']
     programs = grid.B * grid.H * cdiv(grid.W, tokens)
     group_heads = heads_per_program(programs, grid.heads)
     return ((grid.B * grid.H, cdiv(grid.W, tokens), cdiv(grid.heads, group_heads)), group_heads)
@@ -724,8 +725,7 @@ def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid, pro
     read = [*operands, products] if keep else operands
     operands = [*operands, products if keep else operands[2]]
     arch = architecture(x.device)
-    programs, group_heads = head_programs(grid, tiles(
-        'kept_token_gradients' if keep else 'token_gradients', head_block(grid.d), arch)[0])
+    programs, group_heads = head_programs(grid, specializations(grid.d, arch, keep)[1])
     groups = programs[2]
     specs = specializations(grid.d, arch, keep, groups > 1)
     spec = specs[1]

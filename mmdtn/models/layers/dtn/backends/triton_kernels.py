@@ -603,7 +603,7 @@ def specializations(C, pool, heads, square_of_pooled=False, fused=None, arch=Non
     if fused:
         keep = triton_fused.KEEP_PRODUCTS if keep is None else keep
         return [*triton_fused.specializations(d, arch, keep), _parameter_gradients_spec(),
-                *triton_fused.specializations(d, arch, keep, split=True)]
+                *triton_fused.specializations(d, arch, keep, split=True)[:2]]  # output, tokens'
     passes = [_output_spec(C, pool), _token_gradients_spec(C, pool), _parameter_gradients_spec(),
               _input_gradient_spec(C, pool, pool == 1 or not square_of_pooled)]
     if pool > 1:  # T of the tokens: no moments pass without pooling
