@@ -57,18 +57,11 @@ The rows of the band are read again by the programs of neighbouring token rows: 
 cache (``kernel_loads.py`` counts those reads). Heads wider than MAX_HEAD_CHANNELS channels run the
 staged passes (:func:`fuses`).
 
-H and W are runtime arguments (no recompilation per resolution). Specialised on the channel count
-C and the head width d (multiples of 16 in every layer without pooling of the models here),
-Triton reads and writes the tokens 8 or 16 bytes at a time instead of 2: the input gradient is
-(with the four sums of :data:`.triton_kernels.TIED_SUMS` and its tiles it compiles without spills
-on sm_80 to sm_120; with six sums it spilled 80-252 bytes on sm_80 and sm_90), the output and the
-token gradients are not, since with their tiles they spilled (``compile_kernels.py``: the output
-8-56 bytes on sm_86 to sm_120, the token gradients for heads of 32 channels 48-52 on sm_86 and
-sm_90 for float32 tokens). Specialised, the token gradients for heads of 64 channels took 213-215
-registers instead of 221-246 (float16 tokens, sm_80 to sm_90): with tiles tuned for it on a GPU,
-a lead.
-(:mod:`.triton_kernels` specialises its moments, token-gradient and input-gradient passes on C
-and d.)
+H and W are runtime arguments (no recompilation per resolution). The input gradient is specialised
+on the channel count C and the head width d (multiples of 16 in every layer without pooling of the
+models here), so that Triton reads and writes its tokens 8 or 16 bytes at a time; the output and the
+token gradients are not, since with their tiles they spill so. The tiles, the walks and every
+figure behind them (registers, spills, times on an H200) are in docs/gpu.md.
 """
 import functools
 import os
@@ -99,53 +92,27 @@ EXPONENT_POINTERS = ('exponent_ptr',)
 #: Whether the positional products are formed on chip, both factors at once: without pooling in
 #: the fused passes here, with pooling on the cell grid (:mod:`.triton_cells`); by default.
 #: ``MMDTN_TRITON_FUSED=0`` runs the staged passes, the products one factor at a time (read at
-#: import). On an H200 (docs/gpu.md, "Measured on an H200"; float16 tokens, batch
-#: 2, PVT-Tiny's and Swin-T's stages 3 and 4) the fused passes took 1.04-1.62x the staged ones' GPU
-#: time but 0.48-0.52x their host time (7 launches and operations a call instead of 15), and a
-#: call, which at batch 2 waits for the host, 0.58-0.72x the time; and a third of the memory.
+#: import): less GPU time where the GPU is kept busy, more host time and three times the memory
+#: (docs/gpu.md, "How a layer runs").
 ENABLED = os.environ.get('MMDTN_TRITON_FUSED', '1') != '0'
 #: Whether the fused forward pass keeps its products for the backward pass: m_0 and var_it, two
 #: float32 values per channel and token, which the backward kernels then read instead of forming
 #: them again (``MMDTN_TRITON_KEEP_PRODUCTS=1``, read at import; off by default). The token
-#: gradients walk no band then, and the input gradient's first walk forms the shares of the
-#: gradient of a^h alone (two matrix products a step of its six fewer): two walks per head and
-#: token backward instead of three. For 8 bytes per channel and token written forward, read twice
-#: backward and kept between the passes: for float16 tokens 1.06-1.11x LayerNorm's bytes forward
-#: becomes 3.06-3.10x and 3.11-3.31x backward 5.77-5.94x (``benchmark_norm.py --tables traffic``),
-#: and a layer without pooling keeps four times its tokens' bytes more. On an H200 the token
-#: gradients took 338 of the layer's 722 us at PVT-Tiny's stage 3 (docs/gpu.md, "Measured on an
-#: H200"); this has not been timed on a GPU.
+#: gradients then walk no band, and the input gradient's first walk forms the shares of the
+#: gradient of a^h alone: two walks per head and token backward instead of three, for more bytes
+#: and four times the tokens' bytes more kept between the passes (docs/gpu.md, "How a layer
+#: runs"). Not yet timed on a GPU.
 KEEP_PRODUCTS = os.environ.get('MMDTN_TRITON_KEEP_PRODUCTS', '0') == '1'
-#: The widest heads the fused passes take: up to 64 channels all three compile without spills on
-#: sm_80 and sm_90 (:data:`TILES`, :data:`ARCH_TILES`); for 128 the token-gradients kernel spilled
-#: 16 bytes or more with every tile tried. Wider heads run the staged passes.
+#: The widest heads the fused passes take: for heads of 128 channels the token gradients spilled
+#: with every tile tried. Wider heads run the staged passes.
 MAX_HEAD_CHANNELS = 64
 #: (tokens of a token row per program, warps[, registers a thread]) by kernel and head width
-#: (channels, padded to 32 or 64); a third number caps the registers ptxas gives a thread
-#: (:class:`.triton_launch.LaunchOptions`; none of these has one yet). On another GPU, run
-#: ``tools/analysis/tune_fused_tiles.py`` and put its tables here and in :data:`WALKS`. The output's
-#: and the token gradients' were timed on an H200 (docs/gpu.md, "Measured on an H200"): of the
-#: variants of 16 or 32 tokens and 2, 4 or 8 warps, these took the least GPU time at PVT-Tiny's and
-#: Swin-T's stages 3 and 4 without spilling on sm_90 (``compile_kernels.py``); the token gradients
-#: then also formed the shares of the gradient of a^h (in a second walk over the band, now in the
-#: input gradient's first). For heads of 64 channels 16 tokens with 4 warps in the token gradients
-#: (8 before) and 16 with 8 in the output (32 before) took PVT-Tiny's stage 3 from 1.08 to 0.82 ms.
-#: For heads of 32 channels the token gradients took 2 warps then, the fastest tried on the H200 (on
-#: sm_80 they spilled, and 4 did not); with one walk they spill 24-40 bytes with 2 on sm_90 for
-#: 16-bit tokens (ptxas keeps them to 168 registers), and take 4 with one band row a step
-#: (:data:`WALKS`), which spill on none of sm_80 to sm_100 (126-128 registers on sm_90: 16 warps an
-#: SM, twice as many as before; 168 on sm_80), not yet timed. The input gradient's are the
-#: compiler's choice, not yet timed: since it forms the shares of the gradient of a^h, its tiles
-#: before (32 tokens, with 4 warps for heads of 32 channels and 8 for 64) spill 24-668 bytes on
-#: sm_80 and sm_90, and 32 tokens with 8 warps 20-24 bytes for heads of 32 channels (sm_90, 16-bit
-#: tokens); 16 tokens with 8 warps spill in no dtype on either (168-254 registers). Over several
-#: token rows (:data:`PROGRAMS`) it holds the parameter sums and the shares across them. The tokens
-#: are the rows of P_x in one tl.dot (at least 16). The token gradients that read the kept
-#: products (:data:`KEEP_PRODUCTS`) walk no band and form no product: with 8 tokens and 4 warps they
-#: spill in no dtype on sm_80 and sm_90 (56-72 registers a thread for heads of 32 channels, an SM
-#: holding 28-36 of their warps; 80-96 for 64, 20-24 warps); with the token gradients' 16 tokens
-#: they spill 16 bytes with 4 warps on sm_90 and with 8 on sm_80 for 16-bit tokens and heads of 32
-#: channels. Not yet timed.
+#: (channels, padded to 32 or 64): the tiles that took the least time on an H200 among those
+#: that spill on neither sm_80 nor sm_90 (``compile_kernels.py``), or where not yet timed the
+#: compiler's choice among those; a third number caps the registers ptxas gives a thread
+#: (:class:`.triton_launch.LaunchOptions`; none has one yet). The tokens are the rows of P_x in
+#: one tl.dot (at least 16). On another GPU, run ``tools/analysis/tune_fused_tiles.py`` and put
+#: its tables here and in :data:`WALKS`. Why each is what it is: docs/gpu.md.
 TILES = {
     'output': {32: (16, 8), 64: (16, 8)},
     'token_gradients': {32: (16, 4), 64: (16, 4)},
@@ -156,25 +123,16 @@ TILES = {
 #: Tiles of :data:`TILES` replaced on one architecture, by compute capability (10 major + minor),
 #: where its compiler spills registers with them or another GPU times them faster
 #: (``tools/analysis/tune_fused_tiles.py`` writes its candidates here for the GPU at hand). None at
-#: present: sm_80 (A100, A30) had 4 warps for the token gradients of heads of 32 channels, where
-#: TILES' 2 spilled 124 bytes, which TILES now has (``compile_kernels.py --arch 80 86 89 90``,
-#: triton 3.8).
+#: present.
 ARCH_TILES = {}
 
 #: The walk over P_y^h's band (its rows r in :func:`_products`), by kernel and head width as
 #: :data:`TILES`: (rows unrolled per step, loads in flight), Triton's ``loop_unroll_factor`` and
 #: ``num_stages`` of the loop. A step reads a tile of BAND token columns of one band row and adds
-#: it in with P_y's weight; (1, 1) walks the rows one after the other.
-#: Timed on an H200 (docs/gpu.md, "Measured on an H200"; float16 tokens, batch 2, PVT-Tiny's and
-#: Swin-T's stages 3 and 4): two rows a step took the backward kernels' GPU time down by 4-6% (token
-#: gradients) and 14-16% (input gradient), but the output's up by 10-49%; loads in flight (2 or 3,
-#: through shared memory) took every kernel's up. Four rows a step spill on sm_90 in the input
-#: gradient and, for heads of 64 channels, in the token gradients. Reading a step's rows in one load
-#: instead ([rows, BAND, D_BLOCK], summed over the rows) was fastest with one row a step and then
-#: took 6-12% more time than these walks at the same stages (docs/gpu.md, "The latest run"). The
-#: token gradients for heads of 32 channels walk one row a step with their 4 warps (:data:`TILES`):
-#: with two they spill 24 bytes on sm_90 for bfloat16 tokens; not yet timed. The token gradients
-#: that read the kept products walk nothing.
+#: it in with P_y's weight; (1, 1) walks the rows one after the other. Two rows a step took the
+#: backward kernels' time down on an H200 and the output's up, loads in flight every kernel's; four
+#: rows a step, and two in the token gradients for heads of 32 channels, spill on sm_90
+#: (docs/gpu.md). The token gradients that read the kept products walk nothing.
 WALKS = {
     'output': {32: (1, 1), 64: (1, 1)},
     'token_gradients': {32: (1, 1), 64: (2, 1)},
@@ -182,17 +140,14 @@ WALKS = {
     'input_gradient': {32: (2, 1), 64: (2, 1)},
 }
 
-#: The input-gradient programs a launch keeps at least where it can: about 4 per SM of an H100's
-#: or H200's 132, which hold 8 warps of up to 255 registers a thread each (2 programs of 4 warps,
-#: 1 of 8; :data:`TILES`). Where a program per token row makes more, each program takes several
-#: rows (:func:`rows_per_program`) and writes the parameter sums (4 float32 values per channel)
-#: once for all of them. On an H200, 256 to 2048 (and a row each) were within 3% of 512 at
-#: PVT-Tiny's stage 3 (132: 11% more time); Swin-T's stage 4 took 3-4% less with 2048.
-#: The output and the token-gradients programs, of every head of a tile of tokens, are too few
-#: where there are fewer tiles than this: at PVT-Tiny's and Swin-T's stage 4 (25 x 42 tokens at 800
-#: x 1344, batch 2) 150, one program an SM with 8 and 24 heads to walk one after the other. There
-#: the heads are split among programs (:func:`heads_per_program`): 4 groups, 600 programs. Not yet
-#: timed on a GPU.
+#: The programs a launch of the fused kernels keeps at least where it can: about 4 per SM of an
+#: H100's or H200's 132. The input gradient: where a program per token row and head makes more,
+#: each program takes several rows (:func:`rows_per_program`) and writes the parameter sums (4
+#: float32 values per channel) once for all of them (on an H200, 256 to 2048 took about the same
+#: time at PVT-Tiny's stage 3, 132 more: docs/gpu.md). The output and the token gradients: where a
+#: program per tile of tokens makes fewer (PVT-Tiny's and Swin-T's stage 4 at 800 x 1344, batch 2:
+#: 150 programs, each walking 8 or 24 heads), the heads are split among programs
+#: (:func:`heads_per_program`): 4 groups, 600 programs. Not yet timed on a GPU.
 PROGRAMS = 512
 #: Whether the output and the token gradients split the heads among programs where there are
 #: fewer than :data:`PROGRAMS` (:func:`heads_per_program`); ``MMDTN_TRITON_SPLIT_HEADS=0`` keeps
@@ -482,7 +437,7 @@ def _group_heads(heads, group_heads, SPLIT: tl.constexpr):
 
 
 # ---------------------------------------------------------------------------- forward
-# not specialised on C and d: with them its tiles spilled 8-56 bytes on sm_86, sm_89, sm_100, sm_120
+# not specialised on C and d: with them its tiles spilled on sm_86 to sm_120 (docs/gpu.md)
 @triton.jit(do_not_specialize=['H', 'W', 'C', 'd', 'heads', 'group_heads'])
 def _fused_output_kernel(x_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr, weight_ptr, bias_ptr,
                          y_ptr, products_ptr, H, W, C, d, heads, group_heads, eps, n_var,
@@ -534,7 +489,7 @@ def fused_output(x, centre, p_y, p_x, ratios, weight, bias, eps, n_var, grid, ke
 
 
 # ---------------------------------------------------------------------------- backward
-# not specialised on C and d: with them its tiles spill 48-52 bytes on sm_86, sm_90 (float32, d 32)
+# not specialised on C and d: with them its tiles spill on sm_86 and sm_90 (docs/gpu.md)
 @triton.jit(do_not_specialize=['H', 'W', 'C', 'd', 'heads', 'group_heads'])
 def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr,
                                   weight_ptr, products_ptr, scaled_dm_ptr, exponent_ptr, token_ptr,
@@ -597,7 +552,7 @@ def _fused_token_gradients_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ra
     tl.store(token + 3, alpha, mask=w < W)
 
 
-# specialised on C and d: 16-byte token loads; without spills on sm_80 to sm_120 in every dtype
+# specialised on C and d: 16-byte token loads, without spills (docs/gpu.md)
 @triton.jit(do_not_specialize=['H', 'W', 'rows'])
 def _fused_input_gradient_kernel(x_ptr, g_ptr, centre_ptr, p_y_ptr, p_x_ptr, ratios_ptr,
                                  weight_ptr, products_ptr, scaled_dm_ptr, exponent_ptr, token_ptr,
