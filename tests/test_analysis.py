@@ -392,7 +392,8 @@ def test_images_follow_the_config_normalisation_and_channel_order():
 def test_benchmark_backbones_tool_prints_both_tables():
     """The backbone benchmark end to end on a tiny input: FLOPs and parameters, then time (both
     backbones alternating in one process, by default with glibc's malloc keeping freed memory on
-    Linux CPUs) and memory (one process each), forward passes under bfloat16 autocast."""
+    Linux CPUs), the host's part of it, and memory (one process each), forward passes under
+    bfloat16 autocast."""
     import subprocess
     import sys
     proc = subprocess.run(
@@ -413,3 +414,5 @@ def test_benchmark_backbones_tool_prints_both_tables():
     low, high = map(float, spread.split('-'))
     assert low <= float(ratio[:-1]) <= high
     assert float(timed[8][:-1]) > 0  # memory ratio
+    host_ln, host_dtn = float(timed[9]), float(timed[10])  # the host's part of an iteration
+    assert 0 < host_ln <= t_ln and 0 < host_dtn <= t_dtn

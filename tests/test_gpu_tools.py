@@ -1,7 +1,8 @@
 """The GPU tools that run without a GPU: ``compile_kernels.py`` compiles every kernel
 specialisation for sm_90, and the tile-tuning tools (``tune_band_tiles.py``,
 ``tune_fused_tiles.py``) run in Triton's interpreter and check spills by compiling. Each test
-starts the tool in its own process."""
+starts the tool in its own process. ``tools/gpu_checks.sh``, which runs them and the benchmarks
+on a GPU node, runs here with a stand-in interpreter that records what it is asked to run."""
 import json
 import os
 import subprocess
@@ -245,3 +246,64 @@ def test_fused_tile_tuning_tool():
         ' found = t.spilling(["output", "token_gradients"], {t.triton_fused: [32, 64]}, 90,'
         ' "float16");'
         ' print(found, int(found != [("output", 32, 8)]))')
+
+
+STAND_IN = """#!/usr/bin/env bash
+# a stand-in for python: CUDA {cuda}; records its arguments and the settings that select passes
+if [[ $1 == -c ]]; then exit {status}; fi
+settings="$TRITON_INTERPRET $MMDTN_TRITON_FUSED $MMDTN_TRITON_KEEP_PRODUCTS"
+echo "$* | $settings $MMDTN_TRITON_SPLIT_HEADS" >> {log}
+echo "ran $*"
+[[ $* == *tune_fused_tiles* ]] && sleep {sleep}
+exit 0
+"""
+
+
+def gpu_checks(tmp_path, *steps, cuda=True, sleep=0, **env):
+    """``bash tools/gpu_checks.sh steps`` with the stand-in interpreter: the process and the
+    commands it ran, one line each."""
+    python, log = tmp_path / 'python', tmp_path / 'commands.txt'
+    python.write_text(STAND_IN.format(cuda='seen' if cuda else 'absent', status=int(not cuda),
+                                      log=log, sleep=sleep))
+    python.chmod(0o755)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(('MMDTN_TRITON', 'TRITON'))}
+    out = subprocess.run(['bash', 'tools/gpu_checks.sh', *steps], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60,
+                         env=dict(environ, PYTHON=str(python), OUT=str(tmp_path / 'logs'), **env))
+    return out, log.read_text().splitlines() if log.exists() else []
+
+
+def test_gpu_checks_run_their_steps(tmp_path):
+    """Every step runs its commands, with the settings its variants take, in order, and keeps
+    its output in $OUT/<step>.log; --help lists the steps."""
+    out, commands = gpu_checks(tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert [c.split(' | ')[0].split()[0] for c in commands] == [
+        '-m', *['tools/analysis/benchmark_norm.py'] * 4, 'tools/analysis/benchmark_backbones.py',
+        'tools/analysis/tune_fused_tiles.py', 'tools/analysis/tune_band_tiles.py']
+    assert commands[0].startswith('-m pytest') and commands[0].endswith('| 0   ')
+    assert all('--device cuda' in c for c in commands[1:])
+    settings = [c.split(' | ')[1] for c in commands[1:5]]
+    assert settings == ['   ', ' 0  ', '  1 ', '   0']  # FUSED, KEEP_PRODUCTS, SPLIT_HEADS
+    assert '--stages pvt_tiny:4 swin_t:4' in commands[4]
+    assert sorted(os.listdir(tmp_path / 'logs')) == [
+        'backbones.log', 'layer.log', 'tests.log', 'tiles.log', 'variants.log']
+    assert 'ran tools/analysis/tune_band_tiles.py' in (tmp_path / 'logs' / 'tiles.log').read_text()
+    helped = subprocess.run(['bash', 'tools/gpu_checks.sh', '--help'], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0
+    assert all(f'  {step} ' in helped.stdout
+               for step in ('tests', 'layer', 'variants', 'backbones', 'tiles'))
+
+
+def test_gpu_checks_stop_where_they_cannot_run(tmp_path):
+    """An unknown step and a machine without a CUDA GPU stop before any step, saying why; a step
+    past STEP_SECONDS is stopped, its log kept, and the run fails naming it."""
+    out, commands = gpu_checks(tmp_path, 'layer', 'timing')
+    assert out.returncode == 2 and "no step 'timing'" in out.stderr and commands == []
+    out, commands = gpu_checks(tmp_path, 'layer', cuda=False)
+    assert out.returncode == 1 and 'sees no CUDA GPU' in out.stderr and commands == []
+    out, commands = gpu_checks(tmp_path, 'layer', 'tiles', sleep=30, STEP_SECONDS='2')
+    assert out.returncode == 1 and 'failed or stopped: tiles' in out.stderr
+    assert len(commands) == 2 and 'tune_fused_tiles.py' in commands[1]  # band tiles never ran
+    assert (tmp_path / 'logs' / 'layer.log').exists() and '== tiles: exit 124' in out.stdout

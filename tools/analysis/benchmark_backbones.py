@@ -13,6 +13,9 @@ Prints two tables:
      that both see the same machine load; after the warm-up it times ``--iters`` iterations of
      each and keeps the fastest of each (a shared machine only ever adds time). The table shows
      medians over ``--repeats`` such processes, and the median and range of their DTN/LN ratios.
+     Beside it, the host's time to issue an iteration (the fastest of the same iterations): on a
+     GPU, where it comes near the iteration's time the GPU waits for the host, and a faster kernel
+     saves nothing (a layer's own host time: ``benchmark_norm.py --tables time host``).
      On Linux CPUs these processes run, by default (``--malloc keep``), with glibc's malloc set to
      keep freed memory for reuse (:data:`KEEP_FREED_MEMORY`). With its defaults, every tensor
      above 32 MiB is mapped afresh and first-touch page faults on it cost, on virtual machines,
@@ -110,14 +113,16 @@ def _rss_bytes():
 
 
 def timed_step(model, x, device):
-    """Seconds of one fwd+bwd iteration (gradients dropped afterwards)."""
+    """Seconds of one fwd+bwd iteration and of the host's part of it, until the last kernel is
+    issued (the same on a CPU); gradients dropped afterwards."""
     sync(device)
     t0 = time.perf_counter()
     step(model, x)
+    issued = time.perf_counter() - t0
     sync(device)
     seconds = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
-    return seconds
+    return seconds, issued
 
 
 def memory_worker(name, variant, batch, size, device, warmup):
@@ -139,7 +144,9 @@ def memory_worker(name, variant, batch, size, device, warmup):
 
 def time_worker(name, batch, size, device, warmup, iters):
     """Seconds per fwd+bwd iteration of the stock and the DTN backbone, both in this process and
-    alternating iteration by iteration: the fastest of ``iters`` timed iterations of each."""
+    alternating iteration by iteration: the fastest of ``iters`` timed iterations of each, and as
+    ``host <variant>`` the host's part of it (:func:`timed_step`), the least of the same
+    iterations."""
     models = {}
     for variant in VARIANTS:
         models[variant] = build(name, variant).to(device)
@@ -148,10 +155,12 @@ def time_worker(name, batch, size, device, warmup, iters):
     for _ in range(warmup):
         for model in models.values():
             timed_step(model, x, device)
-    seconds = dict.fromkeys(VARIANTS, math.inf)
+    seconds = dict.fromkeys([*VARIANTS, *(f'host {v}' for v in VARIANTS)], math.inf)
     for _ in range(iters):
         for variant, model in models.items():
-            seconds[variant] = min(seconds[variant], timed_step(model, x, device))
+            total, issued = timed_step(model, x, device)
+            seconds[variant] = min(seconds[variant], total)
+            seconds[f'host {variant}'] = min(seconds[f'host {variant}'], issued)
     return seconds
 
 
@@ -266,19 +275,23 @@ def main():
                         malloc if variant == 'both' else 'system'))
         for name, batch in cases:
             timed = results[(name, batch, 'both')]
-            t = {v: statistics.median(r[v] for r in timed) for v in VARIANTS}
+            t = {v: statistics.median(r[v] for r in timed)
+                 for v in (*VARIANTS, *(f'host {v}' for v in VARIANTS))}
             ratios = [r['dtn'] / r['ln'] for r in timed]
             m = {v: results[(name, batch, v)][0]['peak'] for v in VARIANTS}
             rows.append([name, batch, f'{t["ln"]:.3g}', f'{t["dtn"]:.3g}',  # GPUs: tens of ms
                          f'{statistics.median(ratios):.3f}x',
                          f'{min(ratios):.3f}-{max(ratios):.3f}', f'{m["ln"] / 2**20:.0f}',
-                         f'{m["dtn"] / 2**20:.0f}', f'{m["dtn"] / m["ln"]:.3f}x'])
+                         f'{m["dtn"] / 2**20:.0f}', f'{m["dtn"] / m["ln"]:.3f}x',
+                         f'{t["host ln"]:.3g}', f'{t["host dtn"]:.3g}'])
         table(f'Forward+backward at {size[0]}x{size[1]}: time per iteration (s; {args.repeats} '
               f'processes, each alternating both backbones and keeping the fastest of '
               f'{args.iters} iterations of each: medians, and the range of the DTN/LN ratios) '
-              f'and peak memory (MiB above the built model, one process per backbone)',
+              f'and peak memory (MiB above the built model, one process per backbone); host: '
+              f'the host\'s time to issue an iteration (s, medians; on a GPU, near the time where '
+              f'the GPU waits for the host)',
               ['model', 'batch', 'time LN', 'time DTN', 'DTN/LN', 'range', 'mem LN', 'mem DTN',
-               'DTN/LN'], rows)
+               'DTN/LN', 'host LN', 'host DTN'], rows)
 
 
 if __name__ == '__main__':
