@@ -904,3 +904,22 @@ def test_auto_takes_triton_for_cuda_tensors_and_says_once_why_not(monkeypatch, b
     with warnings.catch_warnings():
         warnings.simplefilter('error')  # once
         assert select_backend(x, grid, torch.float32).name == 'torch'
+
+
+def test_host_table_labels_every_launch(backend_setting, fused_passes, capsys):
+    """benchmark_norm.py --tables host: every launch of a Triton kernel is an entry of its own
+    (``launch <kernel>``, its own CPU time: the host's to launch it), counted in the layer's
+    line, and the backend launches unlabelled again afterwards."""
+    sys.path.insert(0, os.path.join(ROOT, 'tools', 'analysis'))
+    import argparse
+    from unittest import mock
+    from benchmark_norm import kernels_table
+    from mmdtn.models.layers.dtn.backends import triton_launch
+    args = argparse.Namespace(stages=[('tiny', 3, 32, 2, 16, 1, 2)], batch=1, dtype='float32',
+                              warmup=1)
+    kernels_table(args, torch.device(DEVICE), ['triton'], progress=mock.Mock(), host=True)
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if 'DTN triton:' in line)
+    assert '; 6 Triton launches, ' in line  # parameters both ways, output, 2 backward, sums
+    assert 'launch triton.fused_output' in out and 'launch triton.fused_input_gradient' in out
+    assert triton_fused.launch is triton_launch.launch

@@ -399,12 +399,39 @@ def time_table(args, device, names, progress):
 PROFILED_CALLS, KERNELS_SHOWN = 5, 12
 
 
+@contextlib.contextmanager
+def labelled_launches():
+    """Every launch of the Triton backend's kernels as an entry of its own in ``torch.profiler``,
+    ``launch <kernel>``, whose own CPU time is the host's to launch it (Triton's launcher and
+    this backend's launch key; in the interpreter, running it), apart from the Python around it
+    in the layer's autograd Function. For the host table only: a launch is not labelled in use,
+    where the label would cost host time itself."""
+    from mmdtn.models.layers.dtn.backends import triton_launch
+    original = triton_launch.launch
+
+    def launch(name, *args):
+        with torch.profiler.record_function(f'launch {name}'):
+            return original(name, *args)
+
+    modules = [m for key, m in list(sys.modules.items())
+               if key.startswith('mmdtn.models.layers.dtn.backends.triton')
+               and getattr(m, 'launch', None) is original]
+    for module in modules:
+        module.launch = launch
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.launch = original
+
+
 def kernels_table(args, device, names, progress, host=False):
     """The kernels (CUDA: GPU time of each) or operations (CPU: their own CPU time) that take most
     of one forward + backward of every DTN backend and of LayerNorm, from ``torch.profiler``:
     microseconds and launches per call, largest first. With ``host``, on any device, the host's
-    own CPU time in every operation, and in the Python inside a DTN layer's autograd Function
-    (its own time: the orchestration and the launches of compiled kernels)."""
+    own CPU time in every operation, in every launch of a Triton kernel
+    (:func:`labelled_launches`), and in the rest of the Python inside a DTN layer's autograd
+    Function (its own time: the orchestration)."""
     from torch.profiler import ProfilerActivity, profile
     gpu = device.type == 'cuda' and not host
     title = 'Host time' if host else 'Kernels'
@@ -420,7 +447,8 @@ def kernels_table(args, device, names, progress, host=False):
                 forward_backward(module, x, (H, W), grad)
             sync(device)
             activity = ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU
-            with profile(activities=[activity]) as prof:
+            labels = labelled_launches() if host else contextlib.nullcontext()
+            with labels, profile(activities=[activity]) as prof:
                 for _ in range(PROFILED_CALLS):
                     forward_backward(module, x, (H, W), grad)
                 sync(device)
@@ -430,8 +458,11 @@ def kernels_table(args, device, names, progress, host=False):
             spent = {k: v for k, v in spent.items() if v[0] > 0}
             total = sum(us for us, _ in spent.values())
             launches = sum(n for _, n in spent.values())
+            launched = [v for k, v in spent.items() if k.startswith('launch ')]
             print(f'  {stage_label(model, stage, C, H, W, pool)}, {name}: {total:.0f} us, '
-                  f'{launches:.0f} kernels or operations per call')
+                  f'{launches:.0f} kernels or operations per call'
+                  + (f'; {sum(n for _, n in launched):.0f} Triton launches, '
+                     f'{sum(us for us, _ in launched):.0f} us' if launched else ''))
             for key, (us, n) in sorted(spent.items(), key=lambda kv: -kv[1][0])[:KERNELS_SHOWN]:
                 print(f'    {us:>10.1f} us {100 * us / total:>5.1f}%  x{n:<4.0f} {key[:80]}')
         progress.update()
