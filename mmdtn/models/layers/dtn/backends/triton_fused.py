@@ -478,11 +478,9 @@ def fused_output(x, centre, p_y, p_x, ratios, weight, bias, eps, n_var, grid, ke
     operands = [x, centre.contiguous(), p_y.contiguous(), p_x.contiguous(), ratios.contiguous(),
                 weight.contiguous(), bias.contiguous()]
     products = x.new_empty(2, *x.shape, dtype=torch.float32) if keep else None
-    arch = architecture(x.device)
-    programs, group_heads = head_programs(grid, specializations(grid.d, arch, keep)[0])
-    spec = specializations(grid.d, arch, keep, programs[2] > 1)[0]
+    specs, programs, group_heads = head_programs(grid, architecture(x.device), keep, 0)
     # without keep the kernel stores nothing at products_ptr: the centre (float32) stands in
-    launch('triton.fused_output', spec, programs, operands, [y, products] if keep else [y],
+    launch('triton.fused_output', specs[0], programs, operands, [y, products] if keep else [y],
            *operands, y, products if keep else operands[1], grid.H, grid.W, grid.C, grid.d,
            grid.heads, group_heads, float(eps), float(n_var))
     return y, products
@@ -656,14 +654,17 @@ def heads_per_program(programs, heads):
     return cdiv(heads, groups)
 
 
-def head_programs(grid, spec):
-    """The programs of the output or the token gradients ``spec`` (its tile; the same split or
-    not) on ``grid``, (B H, blocks of a token row, groups of heads), and the heads of a group
-    (:func:`heads_per_program`)."""
-    tokens = spec[1]['TOKENS']
+def head_programs(grid, arch, keep, kernel):
+    """The fused passes' :func:`specializations` on ``grid``, split or not as the programs of
+    ``kernel`` (0: the output, 1: the token gradients) need, those programs, (B H, blocks of a
+    token row, groups of heads), and the heads of a group (:func:`heads_per_program`). The tile
+    is the same split or not."""
+    tokens = specializations(grid.d, arch, keep)[kernel][1]['TOKENS']
     programs = grid.B * grid.H * cdiv(grid.W, tokens)
     group_heads = heads_per_program(programs, grid.heads)
-    return ((grid.B * grid.H, cdiv(grid.W, tokens), cdiv(grid.heads, group_heads)), group_heads)
+    groups = cdiv(grid.heads, group_heads)
+    return (specializations(grid.d, arch, keep, groups > 1),
+            (grid.B * grid.H, cdiv(grid.W, tokens), groups), group_heads)
 
 
 def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid, products=None):
@@ -679,18 +680,15 @@ def fused_backward(g, x, centre, p_y, p_x, ratios, weight, eps, n_var, grid, pro
     # without kept products the kernels read nothing at products_ptr: the centre stands in
     read = [*operands, products] if keep else operands
     operands = [*operands, products if keep else operands[2]]
-    arch = architecture(x.device)
-    programs, group_heads = head_programs(grid, specializations(grid.d, arch, keep)[1])
+    specs, programs, group_heads = head_programs(grid, architecture(x.device), keep, 1)
     groups = programs[2]
-    specs = specializations(grid.d, arch, keep, groups > 1)
-    spec = specs[1]
     dm = x.new_empty(2, B, N, C, dtype=gradient_dtype(x.dtype))
     exponents = x.new_empty(2, B, grid.heads, N if dm.dtype != torch.float32 else 0,
                             dtype=torch.uint8)
     # split, the groups' planes but group 0's keep zeros for mean_ln and var_ln
     token = (torch.zeros if groups > 1 else torch.empty)(groups, B * N, 4, dtype=torch.float32,
                                                          device=x.device)
-    launch('triton.fused_token_gradients', spec, programs, read, [dm, exponents, token],
+    launch('triton.fused_token_gradients', specs[1], programs, read, [dm, exponents, token],
            *operands, dm, exponents, token, grid.H, grid.W, C, grid.d, grid.heads, group_heads,
            float(eps), float(n_var))
     token = token.sum(0) if groups > 1 else token[0]  # the groups' shares, in a fixed order
