@@ -58,6 +58,7 @@ from torch.utils._pytree import tree_leaves
 from tqdm import tqdm
 
 from mmdtn import DynamicTokenNorm, available_backends, set_dtn_backend
+from mmdtn.models.layers.dtn.backends import triton_launch
 from mmdtn.models.layers.dtn.backends.base import recording_launches
 from mmdtn.models.layers.dtn.function import CUSTOM_OP_IMPLEMENTATIONS
 from mmdtn.models.layers.dtn.grid import pooled_size
@@ -399,39 +400,13 @@ def time_table(args, device, names, progress):
 PROFILED_CALLS, KERNELS_SHOWN = 5, 12
 
 
-@contextlib.contextmanager
-def labelled_launches():
-    """Every launch of the Triton backend's kernels as an entry of its own in ``torch.profiler``,
-    ``launch <kernel>``, whose own CPU time is the host's to launch it (Triton's launcher and
-    this backend's launch key; in the interpreter, running it), apart from the Python around it
-    in the layer's autograd Function. For the host table only: a launch is not labelled in use,
-    where the label would cost host time itself."""
-    from mmdtn.models.layers.dtn.backends import triton_launch
-    original = triton_launch.launch
-
-    def launch(name, *args):
-        with torch.profiler.record_function(f'launch {name}'):
-            return original(name, *args)
-
-    modules = [m for key, m in list(sys.modules.items())
-               if key.startswith('mmdtn.models.layers.dtn.backends.triton')
-               and getattr(m, 'launch', None) is original]
-    for module in modules:
-        module.launch = launch
-    try:
-        yield
-    finally:
-        for module in modules:
-            module.launch = original
-
-
 def kernels_table(args, device, names, progress, host=False):
     """The kernels (CUDA: GPU time of each) or operations (CPU: their own CPU time) that take most
     of one forward + backward of every DTN backend and of LayerNorm, from ``torch.profiler``:
     microseconds and launches per call, largest first. With ``host``, on any device, the host's
     own CPU time in every operation, in every launch of a Triton kernel
-    (:func:`labelled_launches`), and in the rest of the Python inside a DTN layer's autograd
-    Function (its own time: the orchestration)."""
+    (:func:`triton_launch.labelled_launches`), and in the rest of the Python inside a DTN layer's
+    autograd Function (its own time: the orchestration)."""
     from torch.profiler import ProfilerActivity, profile
     gpu = device.type == 'cuda' and not host
     title = 'Host time' if host else 'Kernels'
@@ -447,7 +422,7 @@ def kernels_table(args, device, names, progress, host=False):
                 forward_backward(module, x, (H, W), grad)
             sync(device)
             activity = ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU
-            labels = labelled_launches() if host else contextlib.nullcontext()
+            labels = triton_launch.labelled_launches() if host else contextlib.nullcontext()
             with labels, profile(activities=[activity]) as prof:
                 for _ in range(PROFILED_CALLS):
                     forward_backward(module, x, (H, W), grad)

@@ -24,13 +24,15 @@ it (``compile_kernels.py`` checks its own specialisations against those).
 A kernel is launched as a spec (kernel, constexprs, warps): ``warps`` is the number of warps of a
 program or :class:`LaunchOptions`, which also caps the registers of a thread.
 """
+import contextlib
 from typing import NamedTuple, Optional
 
 import torch
 
 from .base import record_launch, recording, tensor_bytes
 
-__all__ = ['launch', 'launch_key', 'CompiledLaunches', 'LaunchOptions', 'launch_options', 'cdiv']
+__all__ = ['launch', 'launch_key', 'CompiledLaunches', 'LaunchOptions', 'launch_options', 'cdiv',
+           'labelled_launches']
 
 
 class LaunchOptions(NamedTuple):
@@ -91,6 +93,20 @@ class CompiledLaunches:
 
 
 _compiled_launches = CompiledLaunches()
+_labels = []  # non-empty inside labelled_launches
+
+
+@contextlib.contextmanager
+def labelled_launches():
+    """Every launch inside is an entry of its own in ``torch.profiler``, ``launch <name>``, whose
+    own CPU time is the host's to launch it (the launch key and Triton's launcher; in the
+    interpreter, running the kernel), apart from the Python around it (``benchmark_norm.py
+    --tables host``). Outside, launches carry no label, which would cost host time itself."""
+    _labels.append(True)
+    try:
+        yield
+    finally:
+        _labels.pop()
 
 
 def launch(name, spec, grid, reads, writes, *args):
@@ -98,7 +114,14 @@ def launch(name, spec, grid, reads, writes, *args):
     program counts) with ``args`` and, unless the tensors are meta tensors (traffic counts only),
     launches it: on CUDA tensors through :class:`CompiledLaunches`, on the tensors' device (the
     current device is switched where it differs: Triton launches on the current one), elsewhere
-    (the interpreter) through Triton's binding."""
+    (the interpreter) through Triton's binding; inside :func:`labelled_launches`, labelled."""
+    if _labels:
+        with torch.profiler.record_function(f'launch {name}'):
+            return _launch(name, spec, grid, reads, writes, *args)
+    return _launch(name, spec, grid, reads, writes, *args)
+
+
+def _launch(name, spec, grid, reads, writes, *args):
     kernel, constexprs, warps = spec
     device = reads[0].device
     if recording():
