@@ -60,13 +60,13 @@ if ! "$PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2
 fi
 
 mkdir -p "$OUT"
+export -f run_step norm  # for the time-limited steps' shells
+export PYTHON
 failed=()
 for step in "${selected[@]}"; do
     echo "== $step ($(date -u +%H:%M:%S), log: $OUT/$step.log) =="
     start=$SECONDS
     if [[ -n ${STEP_SECONDS:-} ]]; then
-        export -f run_step norm
-        export PYTHON
         timeout "$STEP_SECONDS" bash -c "run_step $step" 2>&1 | tee "$OUT/$step.log"
     else
         run_step "$step" 2>&1 | tee "$OUT/$step.log"

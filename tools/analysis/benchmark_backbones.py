@@ -56,6 +56,7 @@ MODELS = {
     'swin_t': ('SwinTransformer', 'SwinTransformerDTN', dict()),
 }
 VARIANTS = ('ln', 'dtn')  # the stock backbone and its DTN twin
+TIMES = (*VARIANTS, *(f'host {v}' for v in VARIANTS))  # a timing process's: time, host's part
 PAPER_FLOPS = {'pvt_tiny': (1.90, 2.05), 'swin_t': (4.51, 5.09)}  # DTN paper, Table 2 (224)
 #: glibc malloc settings of the timing processes with ``--malloc keep``: no memory is returned to
 #: the system, and no allocation gets pages of its own (mapped, and faulted in, afresh each time).
@@ -155,7 +156,7 @@ def time_worker(name, batch, size, device, warmup, iters):
     for _ in range(warmup):
         for model in models.values():
             timed_step(model, x, device)
-    seconds = dict.fromkeys([*VARIANTS, *(f'host {v}' for v in VARIANTS)], math.inf)
+    seconds = dict.fromkeys(TIMES, math.inf)
     for _ in range(iters):
         for variant, model in models.items():
             total, issued = timed_step(model, x, device)
@@ -275,8 +276,7 @@ def main():
                         malloc if variant == 'both' else 'system'))
         for name, batch in cases:
             timed = results[(name, batch, 'both')]
-            t = {v: statistics.median(r[v] for r in timed)
-                 for v in (*VARIANTS, *(f'host {v}' for v in VARIANTS))}
+            t = {v: statistics.median(r[v] for r in timed) for v in TIMES}
             ratios = [r['dtn'] / r['ln'] for r in timed]
             m = {v: results[(name, batch, v)][0]['peak'] for v in VARIANTS}
             rows.append([name, batch, f'{t["ln"]:.3g}', f'{t["dtn"]:.3g}',  # GPUs: tens of ms
