@@ -44,15 +44,30 @@ def test_kernels_compile_for_sm90_without_spills():
 
 def test_resident_warps():
     """The warps an SM holds of a kernel's programs, by the occupancy calculator's rules: limited
-    by registers (allocated 256 a warp), shared memory (1 KiB more a block), warps and blocks."""
+    by registers (allocated 256 a warp), shared memory (from sm_80 on 1 KiB more a block), warps
+    and blocks."""
     assert_tool_check(textwrap.dedent('''
         from compile_kernels import resident_warps as warps
         cases = [((80, 8, 9216, 90), 24),  # 20480 registers a program: 3 of 65536
                  ((219, 4, 16512, 90), 8),  # 224 a thread allocated: 9 warps, 2 programs
                  ((32, 4, 64, 80), 64),  # the SM's 64 warps
                  ((32, 4, 100 * 1024, 90), 8),  # 2 programs of 101 KiB in 228 KiB
-                 ((32, 1, 0, 86), 16)]  # sm_86's 16 blocks
+                 ((32, 1, 0, 86), 16),  # sm_86's 16 blocks
+                 ((32, 4, 16 * 1024, 75), 16),  # 4 programs of 16 KiB in sm_75's 64 KiB
+                 ((32, 4, 0, 75), 32)]  # sm_75's 32 warps
         print(int(any(warps(*args) != expected for args, expected in cases)))
+        '''))
+
+
+def test_a_kernel_with_spills_is_outside_the_limits_of_any_architecture():
+    """Spills and a stack frame count on every architecture, also one whose shared-memory limit
+    the tool does not know (its summary counts them); shared memory against the known limits."""
+    assert_tool_check(textwrap.dedent('''
+        from compile_kernels import within_limits
+        cases = [((16, 0, 0, 72), False), ((0, 8, 0, 72), False), ((0, 0, 1024, 72), None),
+                 ((0, 0, 64 * 1024, 75), True), ((0, 0, 65 * 1024, 75), False),
+                 ((0, 0, 200 * 1024, 90), True), ((16, 0, 0, 90), False)]
+        print(int(any(within_limits(*args) is not expected for args, expected in cases)))
         '''))
 
 

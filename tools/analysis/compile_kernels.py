@@ -11,7 +11,7 @@ with a ``GPUTarget``, then NVIDIA's ``ptxas``, both shipped with triton). The re
 from the cubin (``cuobjdump --dump-resource-usage``: registers, shared memory, the stack frame,
 where spills live) and ``ptxas``'s spill report; a kernel is within limits with neither spills nor a
 stack frame and its shared memory within the architecture's limit. From those follow the warps
-of its programs that one SM holds at once (:func:`resident_warps`, of at most 48 or 64): the
+of its programs that one SM holds at once (:func:`resident_warps`, of at most 32, 48 or 64): the
 kernels that walk a band of tokens from the cache wait on each load, and hide that wait only
 behind the other warps an SM holds. The image sizes (default
 800 x 1344 and mmseg's 512 x 512) are checked to add no specialisation: H and W are runtime
@@ -66,16 +66,26 @@ FLOAT_ARGUMENTS = ('eps', 'n_var')
 #: The channel count and head width: integer arguments that the token kernels let Triton
 #: specialise (:func:`attributes`).
 CHANNEL_ARGUMENTS = ('C', 'd')
-#: Per architecture (compute capability; A100, A10/A40/RTX 30, L4/L40/RTX 40, H100/H200, B200,
-#: RTX 50), from the CUDA C++ Programming Guide's table of compute capabilities: the registers a
-#: thread may have and the shared memory a block may have; per SM, the resident warps and blocks,
-#: the registers and the shared memory (a block also takes 1 KiB of it for the system).
-LIMITS = {80: dict(registers=255, shared_bytes=163 * 1024, sm_warps=64, sm_blocks=32),
-          86: dict(registers=255, shared_bytes=99 * 1024, sm_warps=48, sm_blocks=16),
-          89: dict(registers=255, shared_bytes=99 * 1024, sm_warps=48, sm_blocks=24),
-          90: dict(registers=255, shared_bytes=227 * 1024, sm_warps=64, sm_blocks=32),
-          100: dict(registers=255, shared_bytes=227 * 1024, sm_warps=64, sm_blocks=32),
-          120: dict(registers=255, shared_bytes=99 * 1024, sm_warps=48, sm_blocks=32)}
+#: Per architecture (compute capability; T4/RTX 20, A100, A10/A40/RTX 30, L4/L40/RTX 40,
+#: H100/H200, B200, RTX 50), from the CUDA C++ Programming Guide's table of compute capabilities:
+#: the registers a thread may have and the shared memory a block may have; per SM, the resident
+#: warps and blocks, the registers, and the shared memory: a block's limit and, from sm_80 on, 1
+#: KiB more that every block takes of it for the system (``reserved_bytes``). Triton supports
+#: compute capability 8.0 and above; sm_75 compiles too.
+LIMITS = {75: dict(registers=255, shared_bytes=64 * 1024, sm_warps=32, sm_blocks=16,
+                   reserved_bytes=0),
+          80: dict(registers=255, shared_bytes=163 * 1024, sm_warps=64, sm_blocks=32,
+                   reserved_bytes=1024),
+          86: dict(registers=255, shared_bytes=99 * 1024, sm_warps=48, sm_blocks=16,
+                   reserved_bytes=1024),
+          89: dict(registers=255, shared_bytes=99 * 1024, sm_warps=48, sm_blocks=24,
+                   reserved_bytes=1024),
+          90: dict(registers=255, shared_bytes=227 * 1024, sm_warps=64, sm_blocks=32,
+                   reserved_bytes=1024),
+          100: dict(registers=255, shared_bytes=227 * 1024, sm_warps=64, sm_blocks=32,
+                    reserved_bytes=1024),
+          120: dict(registers=255, shared_bytes=99 * 1024, sm_warps=48, sm_blocks=32,
+                    reserved_bytes=1024)}
 #: Registers of an SM (every architecture above), allocated to a warp in units of 256.
 SM_REGISTERS, REGISTER_UNIT = 65536, 256
 
@@ -87,10 +97,21 @@ def resident_warps(registers, warps, shared_bytes, arch):
     program whose loads wait on the cache waits alone where this is low."""
     limits = LIMITS[arch]
     per_warp = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
-    by_shared = (limits['shared_bytes'] + 1024) // (shared_bytes + 1024)
+    reserved = limits['reserved_bytes']
+    by_shared = ((limits['shared_bytes'] + reserved) // (shared_bytes + reserved)
+                 if shared_bytes + reserved else limits['sm_blocks'])
     programs = min(SM_REGISTERS // per_warp // warps, by_shared, limits['sm_warps'] // warps,
                    limits['sm_blocks'])
     return programs * warps
+
+
+def within_limits(spills, stack, shared_bytes, arch):
+    """Whether a kernel compiled for sm_<arch> is within its limits: False with spills or a stack
+    frame on any architecture; otherwise whether its shared memory fits a block's, None where
+    :data:`LIMITS` does not know the architecture's."""
+    if spills or stack:
+        return False
+    return shared_bytes <= LIMITS[arch]['shared_bytes'] if arch in LIMITS else None
 
 
 def dtn_layers(model, sizes):
@@ -380,9 +401,7 @@ def main():
                              resident_warps=(resident_warps(registers, options.num_warps, shared,
                                                             arch)
                                              if arch in LIMITS else None),
-                             within_limits=(spills == stack == 0
-                                            and shared <= LIMITS[arch]['shared_bytes']
-                                            if arch in LIMITS else None)))
+                             within_limits=within_limits(spills, stack, shared, arch)))
     if args.json:
         print(json.dumps(rows, indent=1))
         return
@@ -405,8 +424,10 @@ def main():
               f"{','.join(r['multiples_of_16']) or '-'} {r['constexprs']}"
               + (f" maxnreg={r['max_registers']}" if r['max_registers'] else ''))
     bad = [r for r in rows if r['within_limits'] is False]
+    unknown = ', '.join(f'sm_{arch}' for arch in args.arch if arch not in LIMITS)
     print(f'\n{len(rows)} compilations, {len(jobs)} specialisations per arch; '
-          f'{len(bad)} with spills or over the shared-memory limit')
+          f'{len(bad)} with spills or over the shared-memory limit'
+          + (f' (the shared-memory limit of {unknown} unknown here)' if unknown else ''))
 
 
 if __name__ == '__main__':
