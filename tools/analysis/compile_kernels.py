@@ -66,26 +66,23 @@ FLOAT_ARGUMENTS = ('eps', 'n_var')
 #: The channel count and head width: integer arguments that the token kernels let Triton
 #: specialise (:func:`attributes`).
 CHANNEL_ARGUMENTS = ('C', 'd')
+
+
+def _limits(shared_kib, sm_warps, sm_blocks, reserved_bytes=1024):
+    """One architecture's entry of :data:`LIMITS` (255 registers a thread on every one)."""
+    return dict(registers=255, shared_bytes=shared_kib * 1024, sm_warps=sm_warps,
+                sm_blocks=sm_blocks, reserved_bytes=reserved_bytes)
+
+
 #: Per architecture (compute capability; T4/RTX 20, A100, A10/A40/RTX 30, L4/L40/RTX 40,
 #: H100/H200, B200, RTX 50), from the CUDA C++ Programming Guide's table of compute capabilities:
 #: the registers a thread may have and the shared memory a block may have; per SM, the resident
 #: warps and blocks, the registers, and the shared memory: a block's limit and, from sm_80 on, 1
 #: KiB more that every block takes of it for the system (``reserved_bytes``). Triton supports
 #: compute capability 8.0 and above; sm_75 compiles too.
-LIMITS = {75: dict(registers=255, shared_bytes=64 * 1024, sm_warps=32, sm_blocks=16,
-                   reserved_bytes=0),
-          80: dict(registers=255, shared_bytes=163 * 1024, sm_warps=64, sm_blocks=32,
-                   reserved_bytes=1024),
-          86: dict(registers=255, shared_bytes=99 * 1024, sm_warps=48, sm_blocks=16,
-                   reserved_bytes=1024),
-          89: dict(registers=255, shared_bytes=99 * 1024, sm_warps=48, sm_blocks=24,
-                   reserved_bytes=1024),
-          90: dict(registers=255, shared_bytes=227 * 1024, sm_warps=64, sm_blocks=32,
-                   reserved_bytes=1024),
-          100: dict(registers=255, shared_bytes=227 * 1024, sm_warps=64, sm_blocks=32,
-                    reserved_bytes=1024),
-          120: dict(registers=255, shared_bytes=99 * 1024, sm_warps=48, sm_blocks=32,
-                    reserved_bytes=1024)}
+LIMITS = {75: _limits(64, 32, 16, reserved_bytes=0), 80: _limits(163, 64, 32),
+          86: _limits(99, 48, 16), 89: _limits(99, 48, 24), 90: _limits(227, 64, 32),
+          100: _limits(227, 64, 32), 120: _limits(99, 48, 32)}
 #: Registers of an SM (every architecture above), allocated to a warp in units of 256.
 SM_REGISTERS, REGISTER_UNIT = 65536, 256
 
