@@ -1,6 +1,7 @@
 """Shared fixtures."""
 import os
 import shutil
+import sys
 import tempfile
 
 import pytest
@@ -8,6 +9,11 @@ import pytest
 # The Triton kernels of DynamicTokenNorm run in Triton's interpreter on CPU tensors (this machine
 # has no GPU); set before triton sees its first kernel.
 os.environ.setdefault('TRITON_INTERPRET', '1')
+if os.environ['TRITON_INTERPRET'] == '1':  # the interpreter, faster (tools/dev/triton_interpreter)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'tools', 'dev'))
+    import triton_interpreter  # noqa: E402
+    triton_interpreter.patch_once_per_run()
+    triton_interpreter.drop_dead_overflow_checks()
 # torch.compile's inductor keeps compiled graphs on disk, keyed by the graph but not by the Python
 # of the custom ops in it: a graph compiled around an older version of DTN's ops (what they save
 # for backward) would be served again. Each test session compiles into its own folder.

@@ -6,16 +6,15 @@ Forward, for tokens x (B, N, C) on the grid of :class:`~.grid.TokenGrid`::
     statistics   mu_ln, var_ln per token (Eq. 2); per cell the mean of x and, about a per-channel
                  centre, the mean of (x - centre)^2
     moments      T = (cell mean - centre, second moment about the centre)
-    products     u = P_x T, m = P_y u: P^h T by its two factors (Eq. 5), or m in one pass
-                 (``forms_products``); with pooling m's second slot becomes the inter-token
-                 variance P T_1 - (P T_0)^2 (unless the backend's passes form it)
+    products     u = P_x T, m = P_y u: P^h T by its two factors (Eq. 5); with pooling m's
+                 second slot becomes the inter-token variance P T_1 - (P T_0)^2
     output       y = gamma (x - mu) / sqrt(sigma2 + eps) + beta with mu, sigma2 of Eq. 5 (Eq. 4)
 
 and backward mirrors it: the token gradients (dL/dm per cell, the sums for the parameters), the
 products backwards (the gradients of P_y, P_x and dL/dT), the input gradient. Rows of P sum to 1, so
 the moments about the centre give exactly the statistics about 0 without the cancellation of
 E[x^2] - E[x]^2. A backend may fuse the products with the passes over the tokens
-(``fuses_products``).
+(``fuses_products``). The Triton backend runs passes of its own (:mod:`.backends.triton`).
 
 Backends whose passes PyTorch can trace run inside an autograd Function
 (:func:`define_traced_function`) that ``torch.compile`` and ``torch.export`` trace through.
@@ -35,10 +34,9 @@ from ..reference_compat import StatisticsConvention
 from .flops import dtn_flops
 from .grid import TokenGrid
 
-__all__ = ['no_autocast', 'TokenStatistics', 'TokenMoments', 'Saved', 'Gradients', 'dtn_forward',
-           'dtn_backward', 'inter_token_statistics', 'ln_statistics', 'ln_gradient',
-           'FormedParameters', 'define_traced_function', 'define_custom_ops', 'watched',
-           'CUSTOM_OP_IMPLEMENTATIONS']
+__all__ = ['no_autocast', 'TokenStatistics', 'Saved', 'Gradients', 'dtn_forward', 'dtn_backward',
+           'inter_token_statistics', 'ln_statistics', 'ln_gradient', 'define_traced_function',
+           'define_custom_ops', 'watched', 'CUSTOM_OP_IMPLEMENTATIONS']
 
 
 #: Whether autocast exists on a device type (not on 'meta'), asked once per type outside of
@@ -60,46 +58,27 @@ def no_autocast(device):
 
 @dataclass
 class TokenStatistics:
-    """The statistics pass: per token ``mean_ln``, ``var_ln`` (B, N, 1) (Eq. 2), or None from a
-    backend that forms them again wherever it reads a token; per image the ``centre`` (B, 1, 1,
-    C), a per-channel constant near the tokens' values; per cell ``cell_mean`` (B, Hp, Wp, C) and
-    ``cell_second``, the mean of (x - centre)^2, or None where the second moment is the square of
-    the first moment (no pooling, or the reference code's square of the pooled x). A backend may
-    instead form the moments T of :func:`moments` in its pass, or without pooling leave them to
-    its factors (a :class:`TokenMoments`): then ``moments`` holds them and the cell statistics are
-    None."""
+    """The statistics pass: per token ``mean_ln``, ``var_ln`` (B, N, 1) (Eq. 2); per image the
+    ``centre`` (B, 1, 1, C), a per-channel constant near the tokens' values; per cell
+    ``cell_mean`` (B, Hp, Wp, C) and ``cell_second``, the mean of (x - centre)^2, or None where
+    the second moment is the square of the first moment (no pooling, or the reference code's
+    square of the pooled x)."""
 
-    mean_ln: Optional[Tensor]
-    var_ln: Optional[Tensor]
+    mean_ln: Tensor
+    var_ln: Tensor
     centre: Tensor
-    cell_mean: Optional[Tensor]
+    cell_mean: Tensor
     cell_second: Optional[Tensor]
-    moments: Optional[Tensor] = None
-
-
-@dataclass
-class TokenMoments:
-    """T of :func:`moments` without pooling, not stored: x - centre and its square, column-major
-    (heads, W, 2, B, H, d), from the tokens ``x`` (B, N, C) and the ``centre`` (B, 1, 1, C). For a
-    backend whose factors form T wherever they read it (the Triton backend's): T is four times
-    the bytes of 16-bit tokens."""
-
-    x: Tensor
-    centre: Tensor
-    grid: TokenGrid
 
 
 @dataclass
 class Saved:
-    """What the backward pass keeps besides the inputs: the per-token statistics (None for a
-    backend that forms Eq. 2 again wherever it reads a token: ``keeps_token_statistics``) and the
-    centre; with pooling also the (small) moments T and products u = P_x T and m = P_y u, which
-    without pooling are as large as x and are recomputed (u None from a backend that does not keep
-    it: ``keeps_row_products``), unless a backend's fused forward pass keeps its products in a
-    form of its own (``keeps_fused_products``)."""
+    """What the backward pass keeps besides the inputs: the per-token statistics and the centre;
+    with pooling also the (small) moments T and products u = P_x T and m = P_y u, which without
+    pooling are as large as x and are recomputed."""
 
-    mean_ln: Optional[Tensor]
-    var_ln: Optional[Tensor]
+    mean_ln: Tensor
+    var_ln: Tensor
     centre: Tensor
     moments: Optional[Tensor] = None
     row_products: Optional[Tensor] = None
@@ -120,49 +99,29 @@ class Saved:
     def from_tensors(cls, tensors, grid):
         mean_ln, var_ln, centre, moments, row_products, products = tensors
         if not grid.pooled:
-            moments = row_products = None
-            if products.numel() == 0:  # not kept (a real grid's products have entries)
-                products = None
-        elif row_products.numel() == 0:  # not kept
-            row_products = None
-        if mean_ln.numel() == 0:  # never a real grid's: it has at least one token
-            mean_ln = var_ln = None
+            moments = row_products = products = None
         return cls(mean_ln, var_ln, centre, moments, row_products, products)
 
     @staticmethod
-    def fake_tensors(x, grid, dtype, token_statistics=True, row_products=True,
-                     fused_products=False):
-        """Empty tensors of the shapes :meth:`tensors` has for ``grid`` (fake implementations);
-        ``token_statistics``, ``row_products``, ``fused_products``: whether the backend keeps Eq. 2
-        per token, u with pooling, and its fused forward pass's products without pooling (two
-        moments of x's shape)."""
+    def fake_tensors(x, grid, dtype):
+        """Empty tensors of the shapes :meth:`tensors` has for ``grid`` (fake implementations)."""
         T, m = (grid.column_major, grid.head_major) if grid.pooled else ((0, ), (0, ))
-        u = m if row_products else (0, )
-        if fused_products:
-            m = (2, *x.shape)
-        tokens = (grid.B, grid.N, 1) if token_statistics else (0, )
+        tokens = (grid.B, grid.N, 1)
         return [x.new_empty(tokens, dtype=dtype), x.new_empty(tokens, dtype=dtype),
                 x.new_empty(grid.B, 1, 1, grid.C, dtype=dtype), x.new_empty(T, dtype=dtype),
-                x.new_empty(u, dtype=dtype), x.new_empty(m, dtype=dtype)]
+                x.new_empty(m, dtype=dtype), x.new_empty(m, dtype=dtype)]
 
 
 @dataclass
 class Gradients:
-    """Gradients of the loss for every differentiable input of the layer's core. A backend that
-    takes the layer's own parameters (:class:`FormedParameters`) may give, instead of the gradient
-    of the ratios (4, C), that of their two mixtures with 1 - lambda tied to lambda (2, C: the
-    Triton backend), and instead of the gradients of P_y and P_x (then None), ``coefficients``: a
-    list of tensors of shares (programs, heads, 3) of the gradient of a^h, which add up to it (the
-    Triton backend: one from its fused passes or its cell products, or one from each of its
-    factors, whose ``outer`` contracts the gradient of P with Eq. 6 as it forms it)."""
+    """Gradients of the loss for every differentiable input of the layer's core."""
 
     x: Tensor
-    p_y: Optional[Tensor]
-    p_x: Optional[Tensor]
+    p_y: Tensor
+    p_x: Tensor
     ratios: Tensor
     weight: Tensor
     bias: Tensor
-    coefficients: Optional[list[Tensor]] = None
 
 
 def dtn_forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
@@ -179,17 +138,12 @@ def _forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
         return backend.fused_forward(x, p_y, p_x, ratios, weight, bias, eps, grid, convention)
     stats = backend.statistics(x, grid, convention)
     T = moments(stats, grid)
-    if backend.forms_products(grid):
-        u, m = None, backend.products(T, p_y, p_x, grid)
-    else:
-        u, m = positional_products(T, backend.factor(p_y, 'y'), backend.factor(p_x, 'x'), grid,
-                                   not backend.raw_second_moment)
+    u, m = positional_products(T, backend.factor(p_y, 'y'), backend.factor(p_x, 'x'), grid)
     n_var = convention.ln_divisor(grid.C)
     y = backend.output(x, stats, m, ratios, weight, bias, eps, n_var, grid)
     if not grid.pooled:
         return y, Saved(stats.mean_ln, stats.var_ln, stats.centre)
-    return y, Saved(stats.mean_ln, stats.var_ln, stats.centre, T,
-                    u if backend.keeps_row_products else None, m)
+    return y, Saved(stats.mean_ln, stats.var_ln, stats.centre, T, u, m)
 
 
 def dtn_backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convention):
@@ -215,23 +169,14 @@ def _backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convent
     # holds what pass 2 takes from pass 1 (a backend may keep D1 or recompute it)
     tokens, sums, dm = backend.token_gradients(g, x, saved, m, ratios, weight, eps, n_var, grid)
 
-    # the positional products backwards: dL/dm -> dL/dP_y, dL/du -> dL/dP_x, dL/dT (or both
-    # factors' at once: the shares of the gradient of a^h); the temporaries, each of T's size,
-    # are dropped as soon as they are used
-    if backend.forms_products(grid):
-        dT, shares = backend.products_backward(dm, T, p_y, p_x, grid)
-        del dm
-        grad_p_y, grad_p_x, coefficients = None, None, [shares]
-    else:
-        if u is None:  # not kept (keeps_row_products): formed again
-            u = row_products(T, factor_x, grid)
-        grad_p_y = factor_y.outer(by_rows(dm, grid), by_rows(u, grid))
-        del u
-        du = rows_backward(dm, factor_y, grid)
-        del dm
-        grad_p_x, dT = columns_backward(du, T, factor_x, grid)
-        del du
-        coefficients = [grad_p_y, grad_p_x] if factor_y.contracts else None
+    # the positional products backwards: dL/dm -> dL/dP_y, dL/du -> dL/dP_x, dL/dT; the
+    # temporaries, each of T's size, are dropped as soon as they are used
+    grad_p_y = factor_y.outer(by_rows(dm, grid), by_rows(u, grid))
+    del u
+    du = rows_backward(dm, factor_y, grid)
+    del dm
+    grad_p_x, dT = columns_backward(du, T, factor_x, grid)
+    del du
     d_first, d_second = dT[:, :, 0], dT[:, :, 1]
     if grid.pooled and convention.square_of_pooled:  # second moment = first^2
         d_first = d_first + 2 * T[:, :, 0] * d_second
@@ -241,17 +186,12 @@ def _backward(backend, g, x, p_y, p_x, ratios, weight, saved, grid, eps, convent
     # tokens of the cell and beta, alpha the gradient of Eq. 2 (see ln_gradient)
     dx = backend.input_gradient(tokens, g, x, saved, m, ratios, weight, eps, n_var, d_first,
                                 d_second, grid)
-    if coefficients is not None:  # shares of the gradient of a^h, not those of P_y, P_x
-        return Gradients(dx, None, None, *backend.parameter_gradients(sums),
-                         coefficients=coefficients)
     return Gradients(dx, grad_p_y, grad_p_x, *backend.parameter_gradients(sums))
 
 
 def moments(stats, grid):
     """The inputs T of the positional products, column-major (heads, Wp, 2, B, Hp, d): the cell
     means about the centre and the second moment about the centre."""
-    if stats.moments is not None:
-        return stats.moments
     first = stats.cell_mean - stats.centre
     second = first * first if stats.cell_second is None else stats.cell_second
     T = torch.stack([grid.to_column_major(first), grid.to_column_major(second)], dim=2)
@@ -259,9 +199,8 @@ def moments(stats, grid):
 
 
 def by_columns(T, grid):
-    """T as matrices (heads, Wp, 2 * B * Hp * d) for the products with P_x; a TokenMoments as it
-    is."""
-    return T if isinstance(T, TokenMoments) else T.view(grid.heads, grid.Wp, -1)
+    """T as matrices (heads, Wp, 2 * B * Hp * d) for the products with P_x."""
+    return T.view(grid.heads, grid.Wp, -1)
 
 
 def row_products(T, factor_x, grid):
@@ -269,13 +208,13 @@ def row_products(T, factor_x, grid):
     return factor_x.matmul(by_columns(T, grid), inner=grid.d).view(grid.head_major)
 
 
-def positional_products(T, factor_y, factor_x, grid, variance=True):
-    """u = P_x T and m = P_y u = P^h T (Eq. 5), both head-major. With pooling and ``variance``,
-    m's second slot is turned into the inter-token variance P T_1 - (P T_0)^2 (clamped at 0);
-    otherwise it keeps the raw second moment, and the passes over the tokens form the variance."""
+def positional_products(T, factor_y, factor_x, grid):
+    """u = P_x T and m = P_y u = P^h T (Eq. 5), both head-major. With pooling m's second slot is
+    turned into the inter-token variance P T_1 - (P T_0)^2 (clamped at 0); without, it keeps the
+    raw second moment, and the passes over the tokens form the variance."""
     u = row_products(T, factor_x, grid)
     m = factor_y.matmul(by_rows(u, grid)).view(u.shape)
-    if grid.pooled and variance:  # in place: m is this function's own tensor
+    if grid.pooled:  # in place: m is this function's own tensor
         first, second = m.select(1, 0), m.select(1, 1)  # single views: in-place is traceable
         second.addcmul_(first, first, value=-1).clamp_min_(0)
     return u, m
@@ -350,57 +289,20 @@ def _convention(unbiased_ln_var, square_of_pooled):
     return StatisticsConvention(unbiased_ln_var=unbiased_ln_var, square_of_pooled=square_of_pooled)
 
 
-class FormedParameters:
-    """What a layer's differentiable core takes besides x, the weight and the bias: the positional
-    factors P_y, P_x and the channel ratios (4, C), formed before it is called (by PyTorch
-    operations, which autograd records). A backend that forms them in its own kernels passes a
-    subclass to :func:`define_traced_function` or :func:`define_custom_ops`, whose core then
-    takes the layer's own parameters (a^h and the gates) and forms them inside, so that a layer
-    is one autograd node and one custom op each way (the Triton backend's)."""
-
-    def form(self, p_y, p_x, ratios, grid, layernorm):
-        """(P_y, P_x, ratios) from the three parameter inputs of the core."""
-        return p_y, p_x, ratios
-
-    def kept(self, p_y, p_x, ratios):
-        """What backward needs of :meth:`form`'s results besides the inputs (new tensors)."""
-        return []
-
-    def fake_kept(self, inputs, grid):
-        """Empty tensors shaped as :meth:`kept` (fake implementations)."""
-        return []
-
-    def formed(self, inputs, kept):
-        """(P_y, P_x, ratios) again in backward, from the inputs and :meth:`kept`."""
-        return inputs
-
-    def gradients(self, inputs, formed, grads, grid, layernorm):
-        """The gradients of the three parameter inputs from the :class:`Gradients` ``grads``."""
-        return grads.p_y, grads.p_x, grads.ratios
-
-
-FORMED = FormedParameters()
-
-
-def _layer_forward(backend, parameters, x, inputs, weight, bias, grid, eps, convention,
-                   layernorm):
+def _layer_forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps, convention):
     """y and the tensors backward keeps besides x, the parameter inputs and the weight."""
-    p_y, p_x, ratios = parameters.form(*inputs, grid, layernorm)
     y, saved = dtn_forward(backend, x, p_y, p_x, ratios, weight, bias, grid, eps, convention)
-    return y, [*saved.tensors(), *parameters.kept(p_y, p_x, ratios)]
+    return y, saved.tensors()
 
 
-def _layer_backward(backend, parameters, grad, x, inputs, weight, kept, grid, eps, convention,
-                    layernorm):
-    """The gradients of x, the three parameter inputs, the weight and the bias."""
-    saved = Saved.from_tensors(kept[:Saved.COUNT], grid)
-    formed = parameters.formed(inputs, kept[Saved.COUNT:])
-    grads = dtn_backward(backend, grad, x, *formed, weight, saved, grid, eps, convention)
-    return [grads.x, *parameters.gradients(inputs, formed, grads, grid, layernorm), grads.weight,
-            grads.bias]
+def _layer_backward(backend, grad, x, p_y, p_x, ratios, weight, kept, grid, eps, convention):
+    """The gradients of x, P_y, P_x, the ratios, the weight and the bias."""
+    saved = Saved.from_tensors(kept, grid)
+    grads = dtn_backward(backend, grad, x, p_y, p_x, ratios, weight, saved, grid, eps, convention)
+    return [grads.x, grads.p_y, grads.p_x, grads.ratios, grads.weight, grads.bias]
 
 
-def define_traced_function(backend, parameters=FORMED):
+def define_traced_function(backend):
     """DTN over a backend's passes as an autograd Function: forward and the hand-written backward
     both run as the backend's Python, and for a backend whose passes PyTorch can trace (no custom
     ops) ``torch.compile`` (including ``fullgraph=True``), ``torch.export`` and
@@ -408,37 +310,33 @@ def define_traced_function(backend, parameters=FORMED):
     tracer records.
 
     Returns:
-        callable: ``apply(x, a, b, c, weight, bias, grid, eps, convention, layernorm=False) ->
-        y``, with a, b, c the three parameter inputs of ``parameters`` (by default P_y, P_x and
-        the ratios: :class:`FormedParameters`).
+        callable: ``apply(x, a, b, c, weight, bias, grid, eps, convention) -> y``, with a, b, c the factors P_y, P_x and the ratios (4, C).
     """
 
     class TracedDynamicTokenNorm(torch.autograd.Function):
 
         @staticmethod
         def forward(ctx, x, a, b, c, weight, bias, H, W, pool, heads, eps, unbiased_ln_var,
-                    square_of_pooled, layernorm):
+                    square_of_pooled):
             grid = TokenGrid(x.shape[0], H, W, x.shape[2], heads, pool)
             convention = _convention(unbiased_ln_var, square_of_pooled)
-            y, kept = _layer_forward(backend, parameters, x, (a, b, c), weight, bias, grid, eps,
-                                     convention, layernorm)
+            y, kept = _layer_forward(backend, x, a, b, c, weight, bias, grid, eps, convention)
             ctx.save_for_backward(x, a, b, c, weight, *kept)
-            ctx.grid, ctx.eps, ctx.convention, ctx.layernorm = grid, eps, convention, layernorm
+            ctx.grid, ctx.eps, ctx.convention = grid, eps, convention
             return y
 
         @staticmethod
         @torch.autograd.function.once_differentiable
         def backward(ctx, grad_y):
             x, a, b, c, weight, *kept = ctx.saved_tensors
-            grads = _layer_backward(backend, parameters, grad_y.to(x.dtype).contiguous(), x,
-                                    (a, b, c), weight, kept, ctx.grid, ctx.eps, ctx.convention,
-                                    ctx.layernorm)
-            return (*grads, None, None, None, None, None, None, None, None)
+            grads = _layer_backward(backend, grad_y.to(x.dtype).contiguous(), x, a, b, c, weight,
+                                    kept, ctx.grid, ctx.eps, ctx.convention)
+            return (*grads, None, None, None, None, None, None, None)
 
-    def apply(x, a, b, c, weight, bias, grid, eps, convention, layernorm=False):
+    def apply(x, a, b, c, weight, bias, grid, eps, convention):
         return TracedDynamicTokenNorm.apply(x, a, b, c, weight, bias, grid.H, grid.W, grid.pool,
                                             grid.heads, eps, convention.unbiased_ln_var,
-                                            convention.square_of_pooled, layernorm)
+                                            convention.square_of_pooled)
 
     return apply
 
@@ -457,22 +355,21 @@ def watched(x):
             or torch._C._len_torch_dispatch_stack() > 0)
 
 
-def define_custom_ops(backend, name, parameters=FORMED):
+def define_custom_ops(backend, name):
     """``torch.library`` custom ops ``mmdtn::dtn_<name>_forward`` and ``..._backward`` running DTN
     over ``backend``'s compiled passes, with fake implementations and registered autograd; in
     eager calls (:func:`watched`) the same passes run in :func:`define_traced_function`'s Function.
 
     Returns:
-        callable: ``apply(x, a, b, c, weight, bias, grid, eps, convention, layernorm=False) ->
-        y``, as :func:`define_traced_function`'s.
+        callable: ``apply(x, a, b, c, weight, bias, grid, eps, convention) -> y``, as :func:`define_traced_function`'s.
     """
 
     def run_forward(x: Tensor, a: Tensor, b: Tensor, c: Tensor, weight: Tensor, bias: Tensor,
                     H: int, W: int, pool: int, heads: int, eps: float, unbiased_ln_var: bool,
-                    square_of_pooled: bool, layernorm: bool) -> list[Tensor]:
+                    square_of_pooled: bool) -> list[Tensor]:
         grid = TokenGrid(x.shape[0], H, W, x.shape[2], heads, pool)
-        y, kept = _layer_forward(backend, parameters, x, (a, b, c), weight, bias, grid, eps,
-                                 _convention(unbiased_ln_var, square_of_pooled), layernorm)
+        y, kept = _layer_forward(backend, x, a, b, c, weight, bias, grid, eps,
+                                 _convention(unbiased_ln_var, square_of_pooled))
         return [y, *kept]
 
     names = f'mmdtn::dtn_{name}_forward', f'mmdtn::dtn_{name}_backward'
@@ -481,19 +378,14 @@ def define_custom_ops(backend, name, parameters=FORMED):
     @forward.register_fake
     def _(x, a, b, c, weight, bias, H, W, pool, heads, *options):
         grid = TokenGrid(x.shape[0], H, W, x.shape[2], heads, pool)
-        return [torch.empty_like(x), *Saved.fake_tensors(x, grid, weight.dtype,
-                                                         backend.keeps_token_statistics,
-                                                         backend.keeps_row_products,
-                                                         backend.keeps_fused_products(grid)),
-                *parameters.fake_kept((a, b, c), grid)]
+        return [torch.empty_like(x), *Saved.fake_tensors(x, grid, weight.dtype)]
 
     def run_backward(grad: Tensor, x: Tensor, a: Tensor, b: Tensor, c: Tensor, weight: Tensor,
                      kept: list[Tensor], H: int, W: int, pool: int, heads: int, eps: float,
-                     unbiased_ln_var: bool, square_of_pooled: bool,
-                     layernorm: bool) -> list[Tensor]:
+                     unbiased_ln_var: bool, square_of_pooled: bool) -> list[Tensor]:
         grid = TokenGrid(x.shape[0], H, W, x.shape[2], heads, pool)
-        return _layer_backward(backend, parameters, grad, x, (a, b, c), weight, kept, grid, eps,
-                               _convention(unbiased_ln_var, square_of_pooled), layernorm)
+        return _layer_backward(backend, grad, x, a, b, c, weight, kept, grid, eps,
+                               _convention(unbiased_ln_var, square_of_pooled))
 
     backward = torch.library.custom_op(names[1], mutates_args=())(run_backward)
 
@@ -526,13 +418,13 @@ def define_custom_ops(backend, name, parameters=FORMED):
         H, W, pool, heads = args[5:9]
         return 2 * dtn_flops(x_shape[0], x_shape[2], heads, (H, W), pool)
 
-    eager = define_traced_function(backend, parameters)
+    eager = define_traced_function(backend)
 
-    def apply(x, a, b, c, weight, bias, grid, eps, convention, layernorm=False):
+    def apply(x, a, b, c, weight, bias, grid, eps, convention):
         if not watched(x):
-            return eager(x, a, b, c, weight, bias, grid, eps, convention, layernorm)
+            return eager(x, a, b, c, weight, bias, grid, eps, convention)
         return forward(x, a, b, c, weight, bias, grid.H, grid.W, grid.pool, grid.heads, eps,
-                       convention.unbiased_ln_var, convention.square_of_pooled, layernorm)[0]
+                       convention.unbiased_ln_var, convention.square_of_pooled)[0]
 
     CUSTOM_OP_IMPLEMENTATIONS.update(zip(names, (run_forward, run_backward)))
     return apply

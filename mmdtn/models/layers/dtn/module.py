@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from ..reference_compat import PAPER_CONVENTION, REFERENCE_CONVENTION, group_rms_normalize
-from .backends import select_backend
+from .backends import BACKENDS, PORTABLE, select_backend
 from .function import inter_token_statistics, no_autocast
 from .gates import (LAYERNORM_GATE_LOGIT, channel_ratios, distance_to_logit, logit_to_distance,
                     share_of_distance)
@@ -188,6 +188,8 @@ class DynamicTokenNorm(nn.Module):
             dtype = self._computation_dtype(x)
             xc = self._prepare(x.to(dtype))
             backend = select_backend(xc, grid, dtype)
+            if not backend.runs_passes:
+                backend = BACKENDS[PORTABLE]
             p_y, p_x = self.axis_matrices(hw_shape, dtype, backend)
             stats, mean_it, var_it = inter_token_statistics(backend, xc, p_y, p_x, grid,
                                                             self.convention)

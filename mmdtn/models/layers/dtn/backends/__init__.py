@@ -12,8 +12,10 @@ name          runs                             why not elsewhere
 supports the input, else ``torch``; when a backend made for the device cannot run an input, it
 says why, once. ``set_dtn_backend(name)`` or the environment variable
 ``MMDTN_DTN_BACKEND`` choose one backend for every call; a call it cannot run is an error, not a
-silent fallback. Every backend equals the dense reference (:mod:`..reference`) to rounding,
-forward and backward.
+silent fallback. During ``torch.onnx.export`` every call runs on ``torch``, whatever the setting:
+ONNX has no counterpart of the compiled backends' custom ops, and the portable backend's aten
+operations translate one for one (docs/deployment.md). Every backend equals the dense reference
+(:mod:`..reference`) to rounding, forward and backward.
 """
 import os
 import warnings
@@ -65,7 +67,9 @@ def available_backends(device='cpu'):
 
 def select_backend(x, grid, dtype):
     """The backend that runs tokens ``x`` on ``grid``, with statistics in ``dtype``, under the
-    current setting."""
+    current setting; the portable one during ONNX export."""
+    if torch.onnx.is_in_onnx_export():
+        return BACKENDS[PORTABLE]
     name = get_dtn_backend()
     if name != 'auto':
         backend = BACKENDS[name]

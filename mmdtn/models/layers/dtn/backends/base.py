@@ -1,9 +1,11 @@
 """The contract between DynamicTokenNorm and its backends.
 
-A backend runs the passes of :mod:`..function` (statistics, output, token gradients, input
-gradient, and the products with the positional factors) for the inputs it supports, and makes them
-differentiable with :func:`..function.define_traced_function` (passes PyTorch can trace) or
-:func:`..function.define_custom_ops` (compiled kernels).
+A backend runs DTN for the inputs it supports (:meth:`Backend.apply`). The CPU and portable
+backends run the passes of :mod:`..function` (statistics, output, token gradients, input gradient,
+and the products with the positional factors) and make them differentiable with
+:func:`..function.define_traced_function` (passes PyTorch can trace) or
+:func:`..function.define_custom_ops` (compiled kernels); the Triton backend runs passes of its own
+(:mod:`.triton`).
 """
 import contextlib
 from typing import Optional
@@ -28,17 +30,9 @@ class Backend:
     #: dtypes of x read as they are; x of another dtype is first converted to the computation
     #: dtype (float32 or float64)
     input_dtypes = (torch.float32, torch.float64)
-    #: whether the backward pass keeps Eq. 2 per token (:class:`..function.Saved`); a backend
-    #: whose passes form it again wherever they read a token keeps None
-    keeps_token_statistics = True
-    #: whether the passes take the second moment of the products m raw (P T_1) with pooling too,
-    #: forming the inter-token variance P T_1 - (P T_0)^2 themselves (as every backend does
-    #: without pooling), rather than from m turned into it by :func:`..function.positional_products`
-    raw_second_moment = False
-    #: whether the backward pass keeps u = P_x T of the forward pass with pooling
-    #: (:class:`..function.Saved`); a backend that keeps None forms it again where it runs the
-    #: products one factor at a time, so that what its op saves never depends on how they run
-    keeps_row_products = True
+    #: whether the backend runs the passes of :mod:`..function` (and so the layer's
+    #: ``statistics`` for analysis); otherwise those run on the portable backend
+    runs_passes = True
 
     def supports(self, x, grid, dtype) -> Optional[str]:
         """Why this backend cannot run tokens ``x`` on ``grid`` with statistics in ``dtype``
@@ -79,8 +73,7 @@ class Backend:
 
     def token_moments(self, x, centre, grid):
         """Without pooling, the moments T of :func:`..function.moments` (x - centre and its
-        square, column-major) from the tokens and the centre (backward recomputes them), or a
-        :class:`..function.TokenMoments` where the backend's factors form T as they read it."""
+        square, column-major) from the tokens and the centre (backward recomputes them)."""
         return moments(TokenStatistics(None, None, centre, grid.cell_means(x), None), grid)
 
     def factor(self, p, axis):
@@ -88,23 +81,6 @@ class Backend:
         ('x'): an object with ``matmul(x, transpose=False, inner=None)`` and ``outer(a, x)`` (see
         :class:`DenseFactor`)."""
         return DenseFactor(p, axis)
-
-    def forms_products(self, grid):
-        """Whether the positional products on ``grid`` run in one pass with both factors
-        (:meth:`products`, :meth:`products_backward`), never forming u = P_x T; otherwise one
-        factor at a time (:meth:`factor`)."""
-        return False
-
-    def products(self, T, p_y, p_x, grid):
-        """Where :meth:`forms_products`: m = P^h T (Eq. 5), head-major with its second moment raw
-        (:attr:`raw_second_moment`), from the column-major T and the factors."""
-        raise NotImplementedError
-
-    def products_backward(self, dm, T, p_y, p_x, grid):
-        """Where :meth:`forms_products`: dL/dT (column-major, as T) and the shares (programs,
-        heads, 3) of the gradient of a^h (a backend that forms its factors from a^h itself) from
-        dL/dm (head-major) and T."""
-        raise NotImplementedError
 
     def output(self, x, stats, m, ratios, weight, bias, eps, n_var, grid):
         """Eqs. 4-5: y from x, the statistics and the head-major products m (n_var: the divisor of
@@ -135,11 +111,6 @@ class Backend:
         passes)."""
         return False
 
-    def keeps_fused_products(self, grid):
-        """Whether :meth:`fused_forward` keeps the products for the backward pass on ``grid``
-        (:attr:`..function.Saved.products`: without pooling, as large as x or larger)."""
-        return False
-
     def fused_forward(self, x, p_y, p_x, ratios, weight, bias, eps, grid, convention):
         """y and the :class:`..function.Saved` of the forward pass with the products fused: the
         statistics pass, then ``fused_output(x, stats, p_y, p_x, ratios, weight, bias, eps,
@@ -153,11 +124,6 @@ class DenseFactor:
     """Products with one positional factor P (heads, L, L), P_y (``axis`` 'y') or P_x ('x'), as
     batched dense matrix products. Batches x (heads * group, L, N) use P[k // group] for matrix
     k."""
-
-    #: whether :meth:`outer` gives the gradient of P contracted with Eq. 6's softmax: shares
-    #: (programs, heads, 3) of the gradient of a^h, which add up to it (the Triton backend's
-    #: factors, whose layer forms P from a^h itself)
-    contracts = False
 
     def __init__(self, p, axis):
         self.p, self.axis = p, axis
@@ -184,7 +150,7 @@ class DenseFactor:
 
     def outer(self, a, x):
         """The gradient of P for u = P x and dL/du = a: a x^T summed over the matrices of each
-        head (heads, L, L), or, where :attr:`contracts`, its shares of the gradient of a^h."""
+        head (heads, L, L)."""
         return per_head(torch.bmm(a, x.transpose(1, 2)), self.p.shape[0])
 
 
