@@ -9,8 +9,9 @@ import pytest
 # The Triton kernels of DynamicTokenNorm run in Triton's interpreter on CPU tensors (this machine
 # has no GPU); set before triton sees its first kernel.
 os.environ.setdefault('TRITON_INTERPRET', '1')
-if os.environ['TRITON_INTERPRET'] == '1':  # the interpreter, faster (tools/dev/triton_interpreter)
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'tools', 'dev'))
+# The interpreter runs faster patched (tools/dev/triton_interpreter.py).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'tools', 'dev'))
+if os.environ['TRITON_INTERPRET'] == '1':
     import triton_interpreter  # noqa: E402
     triton_interpreter.patch_once_per_run()
     triton_interpreter.drop_dead_overflow_checks()

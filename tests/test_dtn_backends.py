@@ -221,11 +221,11 @@ def test_cpu_kernels_baseline_and_avx512_builds_agree(tmp_path):
 
 
 def test_traffic_counts_of_the_layer_benchmark():
-    """tools/analysis/benchmark_norm.py counts LayerNorm as one launch reading x and writing y
+    """tools/dev/benchmark_norm.py counts LayerNorm as one launch reading x and writing y
     (and its statistics), DTN's compiled kernels inside its custom ops, and the Triton backend on
     meta tensors, where its kernels are recorded without running."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'tools',
-                                    'analysis'))
+                                    'dev'))
     from benchmark_norm import inputs, layers, traffic
     C, H, W = 16, 8, 12
     x_bytes = 2 * H * W * C * 4
@@ -267,7 +267,7 @@ def test_traffic_counter_counts_copies_inside_custom_ops(monkeypatch):
     aliasing operation of its own: a copy (a storage of its own) counts as a launch that reads and
     writes the tensor, a ``contiguous`` that returns its input does not."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'tools',
-                                    'analysis'))
+                                    'dev'))
     import benchmark_norm
     monkeypatch.setitem(benchmark_norm.CUSTOM_OP_IMPLEMENTATIONS, 'mmdtn_tests::permuted_copy',
                         permuted)
@@ -284,7 +284,7 @@ def test_fused_bound_of_the_layer_benchmark():
     written and read once forward and read twice backward, and dL/dm (2 C float32 values per
     cell), written and read once."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'tools',
-                                    'analysis'))
+                                    'dev'))
     from benchmark_norm import fused_bound
     assert fused_bound(64, 1, torch.float16) == (2 * 128, 5 * 128)
     assert fused_bound(64, 4, torch.float16) == (3 * 128 + 2 * 32, 5 * 128 + 2 * 32 + 2 * 32)
@@ -293,11 +293,11 @@ def test_fused_bound_of_the_layer_benchmark():
 
 
 def test_layer_benchmark_checks_every_backend_against_the_torch_backend(backend_setting):
-    """tools/analysis/benchmark_norm.py's error column: y and dx of a backend against those of the
+    """tools/dev/benchmark_norm.py's error column: y and dx of a backend against those of the
     'torch' backend on the tokens in float32, relative to the largest reference value; float32
     rounding for the CPU kernels, float16's for float16 tokens, and a wrong dx shows."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'tools',
-                                    'analysis'))
+                                    'dev'))
     from benchmark_norm import inputs, outputs, relative_error
     C, H, W = 16, 8, 12
     norm = DynamicTokenNorm(C, 2, pool_size=2)
@@ -313,11 +313,11 @@ def test_layer_benchmark_checks_every_backend_against_the_torch_backend(backend_
 
 
 def test_kernels_table_of_the_layer_benchmark(backend_setting, capsys):
-    """tools/analysis/benchmark_norm.py --tables kernels: per layer, the kernels or operations that
+    """tools/dev/benchmark_norm.py --tables kernels: per layer, the kernels or operations that
     take most of one forward + backward, from torch.profiler (on CPU their own CPU time), with
     their share and launches per call; --stages picks rows of the stage table by name."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'tools',
-                                    'analysis'))
+                                    'dev'))
     import argparse
     from benchmark_norm import STAGES, kernels_table, selected_stages
     parser = argparse.ArgumentParser()
@@ -333,7 +333,3 @@ def test_kernels_table_of_the_layer_benchmark(backend_setting, capsys):
     out = capsys.readouterr().out
     assert 'tiny s1 32x48x16 p1, LN:' in out and 'tiny s1 32x48x16 p1, DTN torch:' in out
     assert 'aten::native_layer_norm' in out and 'aten::bmm' in out and '%  x' in out
-    kernels_table(args, torch.device('cpu'), ['torch'], progress=mock.Mock(), host=True)
-    out = capsys.readouterr().out
-    assert out.lstrip().startswith('Host time of one forward + backward')
-    assert 'DTN torch:' in out and 'aten::bmm' in out

@@ -1,5 +1,5 @@
-"""Triton's interpreter as the tests run it (:mod:`.backends.triton_interpreter`): the language is
-patched once per function and kernel run, with the results of Triton's own way, and is as it was
+"""Triton's interpreter as the tests run it (``tools/dev/triton_interpreter.py``): the language
+is patched once per function and kernel run, with the results of Triton's own way, and is as it was
 after every run, also after one that fails; its int32 overflow checks, whose asserts run only with
 ``debug`` on, are off while ``debug`` is off."""
 import dataclasses
@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import InterpreterError
 
-from mmdtn.models.layers.dtn.backends import triton_interpreter
+import triton_interpreter  # tools/dev, on the path where conftest patches the interpreter
 from mmdtn.models.layers.dtn.backends.triton import interpreting
 
 pytestmark = pytest.mark.skipif(
@@ -44,7 +44,7 @@ def run(x, scale=2.0):
 
 
 def test_each_function_is_patched_once_per_run_and_the_language_restored(monkeypatch):
-    assert triton_interpreter.patch_once_per_run()  # the backend's import did it already
+    assert triton_interpreter.patch_once_per_run()  # conftest did it already
     patched, patch_lang = [], triton_interpreter._triton_patch_lang  # Triton's own
     monkeypatch.setattr(triton_interpreter, '_triton_patch_lang',
                         lambda fn: patched.append(fn.__name__) or patch_lang(fn))

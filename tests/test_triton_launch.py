@@ -1,12 +1,12 @@
-"""The Triton backend's launches (:mod:`mmdtn.models.layers.dtn.backends.triton_launch`): a
+"""The Triton backend's launches (:mod:`mmdtn.models.layers.dtn.backends.triton.launch`): a
 repeated launch calls the compiled kernel of the first, and only for arguments that Triton would
 have compiled the same kernel for. Fake kernels record what is called: no GPU, no Triton."""
 import contextlib
 
 import torch
 
-from mmdtn.models.layers.dtn.backends import triton_launch
-from mmdtn.models.layers.dtn.backends.triton_launch import CompiledLaunches, LaunchOptions
+from mmdtn.models.layers.dtn.backends.triton import launch as triton_launch
+from mmdtn.models.layers.dtn.backends.triton.launch import CompiledLaunches
 
 
 class FakeCompiled:
@@ -18,15 +18,15 @@ class FakeCompiled:
 
 
 class FakeKernel:
-    """``kernel[grid](*args, **constexprs, num_warps=..., maxnreg=...)`` as Triton's JIT function:
-    records the binding call and returns a compiled kernel."""
+    """``kernel[grid](*args, **constexprs, num_warps=...)`` as Triton's JIT function: records the
+    binding call and returns a compiled kernel."""
 
     def __init__(self, arg_names):
         self.arg_names, self.calls = arg_names, []
 
     def __getitem__(self, grid):
-        def bind(*args, num_warps, maxnreg=None, **constexprs):
-            self.calls.append(('bind', grid, args, constexprs, num_warps, maxnreg))
+        def bind(*args, num_warps, **constexprs):
+            self.calls.append(('bind', grid, args, constexprs, num_warps))
             return FakeCompiled(self.calls)
         return bind
 
@@ -42,7 +42,7 @@ def test_a_repeated_launch_calls_the_compiled_kernel_with_every_argument_in_orde
     for _ in range(3):
         launches(kernel, {'EVEN': True, 'BLOCK': 32}, 4, (5, ), (x, y, 64, 1e-5), 0)
     assert kinds(kernel) == ['bind', 'compiled', 'compiled']
-    assert kernel.calls[0][1:] == ((5, ), (x, y, 64, 1e-5), {'EVEN': True, 'BLOCK': 32}, 4, None)
+    assert kernel.calls[0][1:] == ((5, ), (x, y, 64, 1e-5), {'EVEN': True, 'BLOCK': 32}, 4)
     grid, args = kernel.calls[1][1:]
     assert grid == (5, 1, 1) and args[:4] == (x, y, 64, 1e-5) and args[4:] == (32, True)
 
@@ -74,18 +74,6 @@ def test_arguments_triton_would_compile_differently_for_bind_again():
     assert x[4:].data_ptr() % 16 == 0
     launches(kernel, {'BLOCK': 32}, 4, (7, ), (x[4:], 64, 0.5), 0)  # aligned: the same kernel
     assert kinds(kernel)[10:] == ['compiled']
-
-
-def test_a_register_cap_reaches_triton_and_compiles_a_kernel_of_its_own():
-    """Launch options with a register cap pass it to Triton as ``maxnreg`` and are a key of their
-    own; options without one are the number of warps alone."""
-    kernel = FakeKernel(['x_ptr', 'n', 'BLOCK'])
-    launches = CompiledLaunches()
-    x = torch.zeros(64)
-    for warps in (4, LaunchOptions(4), LaunchOptions(4, 128), LaunchOptions(4, 128)):
-        launches(kernel, {'BLOCK': 32}, warps, (1, ), (x, 64), 0)
-    assert kinds(kernel) == ['bind', 'compiled', 'bind', 'compiled']
-    assert kernel.calls[0][4:] == (4, None) and kernel.calls[2][4:] == (4, 128)
 
 
 def test_the_cache_holds_no_tensors_and_starts_again_at_its_limit():

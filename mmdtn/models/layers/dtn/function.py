@@ -258,8 +258,7 @@ def ln_gradient(tok1, tok2, mean_ln, C, n_var):
 #: Each channel parameter's gradient as a multiple of one row of the sums over the tokens (6, C)
 #: of xhat g, g, mu_ln D1, var_ln D2, mu_it D1 and var_it D2 (D1 = -dL/dmu, D2 = -2 dL/dvar):
 #: (row, factor) for the weight, the bias and the ratios' rows lambda_m, kappa_m, lambda_v and
-#: kappa_v (Eq. 4's mixtures). The Triton backend sums four rows instead
-#: (:data:`.backends.triton_kernels.TIED_SUMS`).
+#: kappa_v (Eq. 4's mixtures).
 PARAMETER_SUMS = ((0, 1.0), (1, 1.0), (2, -1.0), (4, -1.0), (3, -0.5), (5, -0.5))
 
 

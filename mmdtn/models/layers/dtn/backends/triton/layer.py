@@ -22,14 +22,14 @@ buffer for P_y, P_x and the ratios, one for the planes T, u, m, and y) and four 
 In eager calls the passes run inside an autograd Function; under a tracer (``torch.compile``,
 ``torch.export``), a dispatch mode (FLOP counters, fake tensors) or on meta tensors they run as
 the custom ops ``mmdtn::dtn_triton_forward`` and ``mmdtn::dtn_triton_backward``
-(:func:`...function.watched`), whose fake implementations give the shapes.
+(:func:`traced`), whose fake implementations give the shapes.
 """
 import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from ...flops import dtn_flops
-from ...function import watched
+from ...function import CUSTOM_OP_IMPLEMENTATIONS
 from ...grid import pooled_size
 from . import kernels, parameters
 from .products import backward_products, forward_products, plane_strides
@@ -154,14 +154,16 @@ class TritonDynamicTokenNorm(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------- the custom ops
-@torch.library.custom_op('mmdtn::dtn_triton_forward', mutates_args=())
-def _forward_op(x: Tensor, pos_coef: Tensor, mean_gate: Tensor, var_gate: Tensor,
+def _run_forward(x: Tensor, pos_coef: Tensor, mean_gate: Tensor, var_gate: Tensor,
                 weight: Tensor, bias: Tensor, H: int, W: int, pool: int, heads: int, eps: float,
                 unbiased_ln_var: bool, square_of_pooled: bool,
                 layernorm: bool) -> list[Tensor]:
     plan = plan_of(x.shape[0], H, W, x.shape[2], heads, pool, eps, unbiased_ln_var,
                    square_of_pooled, layernorm)
     return list(layer_forward(x, pos_coef, mean_gate, var_gate, weight, bias, plan))
+
+
+_forward_op = torch.library.custom_op('mmdtn::dtn_triton_forward', mutates_args=())(_run_forward)
 
 
 @_forward_op.register_fake
@@ -174,8 +176,7 @@ def _(x, pos_coef, mean_gate, var_gate, weight, bias, H, W, pool, heads, *settin
             x.new_empty(planes, dtype=f32)]
 
 
-@torch.library.custom_op('mmdtn::dtn_triton_backward', mutates_args=())
-def _backward_op(grad: Tensor, x: Tensor, mean_gate: Tensor, var_gate: Tensor, weight: Tensor,
+def _run_backward(grad: Tensor, x: Tensor, mean_gate: Tensor, var_gate: Tensor, weight: Tensor,
                  centre: Tensor, formed: Tensor, planes: Tensor, H: int, W: int, pool: int,
                  heads: int, eps: float, unbiased_ln_var: bool, square_of_pooled: bool,
                  layernorm: bool) -> list[Tensor]:
@@ -183,6 +184,12 @@ def _backward_op(grad: Tensor, x: Tensor, mean_gate: Tensor, var_gate: Tensor, w
                    square_of_pooled, layernorm)
     return list(layer_backward(grad, x, mean_gate, var_gate, weight, centre, formed, planes,
                                plan))
+
+
+_backward_op = torch.library.custom_op('mmdtn::dtn_triton_backward',
+                                       mutates_args=())(_run_backward)
+CUSTOM_OP_IMPLEMENTATIONS.update({'mmdtn::dtn_triton_forward': _run_forward,
+                                  'mmdtn::dtn_triton_backward': _run_backward})
 
 
 @_backward_op.register_fake
@@ -220,10 +227,20 @@ def _flops(x_shape, *args, out_shape=None, **kwargs):
 
 
 # ---------------------------------------------------------------------------- the entry
+def traced():
+    """Whether a call must run as the custom ops: under a tracer (``torch.compile``,
+    ``torch.export``, ``torch.jit.trace``) or a dispatch mode (FLOP and byte counters, fake
+    tensors). Meta tensors outside them run the passes eagerly, their launches recorded and never
+    made (the host's own time of a call, with no device work: ``tools/dev/benchmark_norm.py
+    --tables host``)."""
+    return (torch.compiler.is_compiling() or torch.jit.is_tracing()
+            or torch._C._len_torch_dispatch_stack() > 0)
+
+
 def normalize(x, pos_coef, mean_gate, var_gate, weight, bias, grid, eps, convention, layernorm):
     """DTN of contiguous tokens x (B, N, C) on ``grid`` (a :class:`...grid.TokenGrid`) from the
     layer's parameters in float32: eagerly one autograd node, under tracing the custom ops."""
-    if watched(x):
+    if traced():
         return _forward_op(x, pos_coef, mean_gate, var_gate, weight, bias, grid.H, grid.W,
                            grid.pool, grid.heads, eps, convention.unbiased_ln_var,
                            convention.square_of_pooled, layernorm)[0]

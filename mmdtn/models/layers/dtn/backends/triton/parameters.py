@@ -215,7 +215,7 @@ def _factor_gradients_kernel(p_y_ptr, p_x_ptr, dp_y_ptr, dp_x_ptr, shares_ptr, r
     tl.store(shares_ptr + (b * tl.num_programs(0) + h) * 4 + tl.arange(0, 4), share)
 
 
-@triton.jit(do_not_specialize=['d', 'programs'])
+@triton.jit(do_not_specialize=['C', 'd', 'programs'])
 def _parameters_backward_kernel(shares_ptr, mean_ptr, var_ptr, grad_ratios_ptr, grad_coef_ptr,
                                 grad_mean_ptr, grad_var_ptr, C, d, programs,
                                 BLOCK: tl.constexpr, LAYERNORM: tl.constexpr,

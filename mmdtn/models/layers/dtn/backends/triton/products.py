@@ -21,37 +21,41 @@ import contextlib
 
 import torch
 
-from ..base import record_launch, recording, tensor_bytes
-
 __all__ = ['full_float32', 'plane_strides', 'forward_products', 'backward_products']
 
 
 @contextlib.contextmanager
 def full_float32():
-    """float32 matrix products in full precision inside, whatever the global setting
+    """float32 matrix products in full precision inside, whatever the setting
     (``torch.set_float32_matmul_precision``, ``torch.backends.cuda.matmul.allow_tf32`` or the
-    per-backend ``fp32_precision``), restored afterwards through the API it was set with."""
+    per-backend ``fp32_precision``), which is restored afterwards through the API it was made
+    with: PyTorch refuses to read settings made through the other."""
+    cuda, cpu = torch.backends.cuda.matmul, torch.backends.mkldnn.matmul
     try:
         saved = torch.get_float32_matmul_precision()
-    except RuntimeError:  # the per-backend settings are in use: PyTorch's legacy getter refuses
+    except RuntimeError:  # the per-backend settings are in use
         saved = None
     if saved == 'highest':
         yield
-        return
-    if saved is not None:
+    elif saved is None:
+        before = cuda.fp32_precision, cpu.fp32_precision
+        cuda.fp32_precision = cpu.fp32_precision = 'ieee'
+        try:
+            yield
+        finally:
+            cuda.fp32_precision, cpu.fp32_precision = before
+    elif saved == 'high' and cpu.fp32_precision == 'none':  # allow_tf32 = True, CUDA alone
+        cuda.allow_tf32 = False
+        try:
+            yield
+        finally:
+            cuda.allow_tf32 = True
+    else:
         torch.set_float32_matmul_precision('highest')
         try:
             yield
         finally:
             torch.set_float32_matmul_precision(saved)
-        return
-    cuda, cpu = torch.backends.cuda.matmul, torch.backends.mkldnn.matmul
-    before = cuda.fp32_precision, cpu.fp32_precision
-    cuda.fp32_precision = cpu.fp32_precision = 'ieee'
-    try:
-        yield
-    finally:
-        cuda.fp32_precision, cpu.fp32_precision = before
 
 
 def plane_strides(B, Hp, Wp, heads, d):
@@ -64,20 +68,12 @@ def plane_strides(B, Hp, Wp, heads, d):
     return s_b, s_row, 1, Hp * s_row, s_chan, s_moment
 
 
-def _bmm(a, b, out=None):
-    """torch.bmm, its operands' bytes recorded while benchmarks count launches."""
-    result = torch.bmm(a, b, out=out)
-    if recording():
-        record_launch('cublas.bmm', tensor_bytes((a, b)), tensor_bytes((result, )))
-    return result
-
-
 def forward_products(T, u, m, p_y, p_x, plan):
     """u = T P_x^T and m = P_y u (Eq. 5) into the planes ``u`` and ``m``."""
     heads, rows, columns = plan.heads, plan.Hp, plan.Wp
     with full_float32():
-        _bmm(T.view(heads, -1, columns), p_x.transpose(1, 2), out=u.view(heads, -1, columns))
-        _bmm(p_y, u.view(heads, rows, -1), out=m.view(heads, rows, -1))
+        torch.bmm(T.view(heads, -1, columns), p_x.transpose(1, 2), out=u.view(heads, -1, columns))
+        torch.bmm(p_y, u.view(heads, rows, -1), out=m.view(heads, rows, -1))
 
 
 def backward_products(dm, T, u, p_y, p_x, du, dT, plan):
@@ -87,8 +83,8 @@ def backward_products(dm, T, u, p_y, p_x, du, dT, plan):
     heads, rows, columns = plan.heads, plan.Hp, plan.Wp
     by_rows, by_columns = (heads, rows, -1), (heads, -1, columns)
     with full_float32():
-        grad_p_y = _bmm(dm.view(by_rows), u.view(by_rows).transpose(1, 2))
-        _bmm(p_y.transpose(1, 2), dm.view(by_rows), out=du.view(by_rows))
-        grad_p_x = _bmm(du.view(by_columns).transpose(1, 2), T.view(by_columns))
-        _bmm(du.view(by_columns), p_x, out=dT.view(by_columns))
+        grad_p_y = torch.bmm(dm.view(by_rows), u.view(by_rows).transpose(1, 2))
+        torch.bmm(p_y.transpose(1, 2), dm.view(by_rows), out=du.view(by_rows))
+        grad_p_x = torch.bmm(du.view(by_columns).transpose(1, 2), T.view(by_columns))
+        torch.bmm(du.view(by_columns), p_x, out=dT.view(by_columns))
     return grad_p_y, grad_p_x

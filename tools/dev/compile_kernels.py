@@ -1,35 +1,31 @@
 """Compile DynamicTokenNorm's Triton kernels ahead of time for NVIDIA GPUs, without a GPU, and
 report registers, spills, shared memory and resident warps per kernel.
 
-Every kernel specialisation that the DTN layers of the given backbones launch (forward and backward;
-the products on chip, fused without pooling and on the cell grid with pooling, the fused passes
-with their heads in one program and split among programs (small grids; ``MMDTN_TRITON_SPLIT_HEADS``)
-and also keeping their products, ``MMDTN_TRITON_KEEP_PRODUCTS=1``, and one factor at a time,
-``MMDTN_TRITON_FUSED=0``; the tokens' dtypes given; both statistics conventions with
-``--reference-compat``) is compiled by Triton's own compiler for each ``--arch`` (``triton.compile``
-with a ``GPUTarget``, then NVIDIA's ``ptxas``, both shipped with triton). The resource use comes
+Every kernel specialization that the DTN layers of the given backbones launch (forward and
+backward; the tokens' dtypes given; both statistics conventions with ``--reference-compat``) is
+compiled by Triton's own compiler for each ``--arch`` (``triton.compile`` with a ``GPUTarget``,
+then NVIDIA's ``ptxas``, both shipped with triton). The resource use comes
 from the cubin (``cuobjdump --dump-resource-usage``: registers, shared memory, the stack frame,
 where spills live) and ``ptxas``'s spill report; a kernel is within limits with neither spills nor a
 stack frame and its shared memory within the architecture's limit. From those follow the warps
-of its programs that one SM holds at once (:func:`resident_warps`, of at most 32, 48 or 64): the
-kernels that walk a band of tokens from the cache wait on each load, and hide that wait only
-behind the other warps an SM holds. The image sizes (default
-800 x 1344 and mmseg's 512 x 512) are checked to add no specialisation: H and W are runtime
+of its programs that one SM holds at once (:func:`resident_warps`, of at most 32, 48 or 64): a
+memory-bound kernel hides the wait on its loads behind the other warps an SM holds. The image
+sizes (default
+800 x 1344 and mmseg's 512 x 512) are checked to add no specialization: H and W are runtime
 arguments of every kernel.
 
 What is compiled is checked against what runs: before compiling, a layer of every kind the models
-have runs forward and backward on meta tensors at each grid they see (in every dtype given, both
-ways of forming the products), its launches recorded with their arguments, and Triton's own
+have runs forward and backward on meta tensors at each grid they see (in every dtype given), its
+launches recorded with their arguments, and Triton's own
 argument binder (the one a launch on a GPU runs) must give each the signature and attributes of
-a specialisation compiled here (:func:`check_launches`); otherwise the tool stops, naming it.
+a specialization compiled here (:func:`check_launches`); otherwise the tool stops, naming it.
 
 Usage::
 
-    python tools/analysis/compile_kernels.py --arch 80 90 [--models pvt_tiny pvtv2_b0 swin_t]
+    python tools/dev/compile_kernels.py --arch 80 90 [--models pvt_tiny pvtv2_b0 swin_t]
         [--dtypes float16 bfloat16 float32] [--json]
 """
 import argparse
-import contextlib
 import functools
 import itertools
 import json
@@ -51,10 +47,8 @@ from triton.runtime.jit import create_function_from_signature
 import mmdtn  # noqa: F401
 from mmdtn import DynamicTokenNorm
 from mmdtn.models.layers.dtn.module import DTN_INITS
-from mmdtn.models.layers.dtn.backends import triton_band, triton_fused, triton_parameters
 from mmdtn.models.layers.dtn.backends.base import recording_launches
-from mmdtn.models.layers.dtn.backends.triton_launch import launch_options
-from mmdtn.models.layers.dtn.backends.triton_kernels import TOKEN_POINTERS, specializations
+from mmdtn.models.layers.dtn.backends.triton import kernels, parameters
 
 MODELS = {
     'pvt_tiny': ('PyramidVisionTransformerDTN', dict(num_layers=[2, 2, 2, 2])),
@@ -64,7 +58,7 @@ MODELS = {
 DTYPES = {'float16': 'fp16', 'bfloat16': 'bf16', 'float32': 'fp32'}
 FLOAT_ARGUMENTS = ('eps', 'n_var')
 #: The channel count and head width: integer arguments that the token kernels let Triton
-#: specialise (:func:`attributes`).
+#: specialize (:func:`attributes`).
 CHANNEL_ARGUMENTS = ('C', 'd')
 
 
@@ -139,23 +133,12 @@ def dtn_layers(model, sizes):
 
 def pointer_type(name, dtype):
     """Triton's type of the elements of pointer argument ``name`` for tokens of ``dtype``: the
-    tokens', dL/dm's of the fused passes (:func:`.triton_fused.gradient_dtype`), uint8 for its
-    scales' exponents, or float32."""
-    if name in TOKEN_POINTERS:
-        return DTYPES[dtype]
-    if name in triton_fused.EXPONENT_POINTERS:
-        return 'u8'
-    if name in triton_fused.GRADIENT_POINTERS:
-        return DTYPES[str(triton_fused.gradient_dtype(getattr(torch, dtype))).split('.')[-1]]
-    return 'fp32'
+    tokens', or float32."""
+    return DTYPES[dtype] if name in kernels.TOKEN_POINTERS else 'fp32'
 
 
 def signature(kernel, constexprs, dtype):
-    """Triton's signature of ``kernel``: pointer and scalar types, 'constexpr' for constexprs.
-    The band products of float32 matrices (constexpr TOKENS false) read no tokens: their tokens'
-    pointer is one of the matrices."""
-    if constexprs.get('TOKENS') is False:
-        dtype = 'float32'
+    """Triton's signature of ``kernel``: pointer and scalar types, 'constexpr' for constexprs."""
     sig = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -168,10 +151,10 @@ def signature(kernel, constexprs, dtype):
 
 
 def attributes(kernel, constexprs, channels):
-    """What Triton specialises ``kernel`` on at a launch of a layer whose :data:`CHANNEL_ARGUMENTS`
+    """What Triton specializes ``kernel`` on at a launch of a layer whose :data:`CHANNEL_ARGUMENTS`
     have the values ``channels`` (a dict; empty for the kernels of no layer's channels): every
     pointer aligned to 16 bytes (as PyTorch allocates), and each channel argument that it
-    specialises (not in its ``do_not_specialize``) where it is a multiple of 16, as C and d are in
+    specializes (not in its ``do_not_specialize``) where it is a multiple of 16, as C and d are in
     every layer of PVT-Tiny and Swin-T (not d in PVTv2-b0's first stage, heads of 8 channels).
     With them Triton reads 8 or 16 bytes of tokens at a time. :func:`check_launches` checks this
     against Triton's own binder."""
@@ -187,51 +170,22 @@ def attributes(kernel, constexprs, channels):
 
 
 def divisible(kernel, attrs):
-    """The integer arguments that ``attrs`` specialise as multiples of 16, by name."""
+    """The integer arguments that ``attrs`` specialize as multiples of 16, by name."""
     return tuple(sorted(kernel.arg_names[i] for (i, ) in attrs
                         if not kernel.arg_names[i].endswith('_ptr')))
 
 
 def job_key(kernel, constexprs, warps, dtype, attrs):
-    """What tells one compilation from another: the kernel's name, its constexprs, its launch
-    options (warps and register cap), the tokens' dtype and the integer arguments specialised as
-    multiples of 16."""
-    return (kernel.fn.__name__, tuple(sorted(constexprs.items())), launch_options(warps), dtype,
+    """What tells one compilation from another: the kernel's name, its constexprs, its warps, the
+    tokens' dtype and the integer arguments specialized as multiples of 16."""
+    return (kernel.fn.__name__, tuple(sorted(constexprs.items())), warps, dtype,
             divisible(kernel, attrs))
 
 
-def job_order(job):
-    """Sorts (:func:`job_key`, job) pairs by their keys, a register cap of None first."""
-    (name, constexprs, options, *rest), _ = job
-    return name, constexprs, options.num_warps, options.maxnreg or 0, *rest
-
-
-#: The ways a layer forms its positional products, as (on chip, fused products kept): on chip
-#: where the heads allow (the default), also keeping the fused passes' products
-#: (``MMDTN_TRITON_KEEP_PRODUCTS=1``), and one factor at a time (``MMDTN_TRITON_FUSED=0``).
-WAYS = ((True, False), (True, True), (False, False))
-
-
-@contextlib.contextmanager
-def launching_as(on_chip, arch, keep=False):
-    """The layers' launches as on a GPU of compute capability ``arch`` (None: the tiles of no
-    particular architecture), with the positional products formed on chip where they can be
-    (``on_chip``) or one factor at a time, and the fused passes' products kept (``keep``): one of
-    :data:`WAYS`."""
-    saved = triton_fused.ENABLED, triton_fused.KEEP_PRODUCTS, triton_fused.architecture
-    triton_fused.ENABLED, triton_fused.KEEP_PRODUCTS = on_chip, keep
-    triton_fused.architecture = lambda device: arch
-    try:
-        yield
-    finally:
-        triton_fused.ENABLED, triton_fused.KEEP_PRODUCTS, triton_fused.architecture = saved
-
-
-def layer_launches(grids, conventions, dtypes, arch=None):
+def layer_launches(grids, conventions, dtypes):
     """(launch, dtype) for every compiled kernel that a DTN layer of each (C, pool, heads, (H, W))
-    of ``grids`` launches on a GPU of compute capability ``arch`` (:func:`launching_as`), forward
-    and backward, on meta tensors of batch 2 and each dtype: for each statistics convention
-    (``reference_compat``) and initialisation of the gates (``init``), in each of :data:`WAYS`.
+    of ``grids`` launches, forward and backward, on meta tensors of batch 2 and each dtype: for
+    each statistics convention (``reference_compat``) and initialization of the gates (``init``).
     Each launch
     (:class:`~mmdtn.models.layers.dtn.backends.base.KernelLaunch`) keeps its kernel, constexprs,
     warps and arguments."""
@@ -242,17 +196,15 @@ def layer_launches(grids, conventions, dtypes, arch=None):
             for dtype in dtypes:
                 x = torch.empty(2, H * W, C, device='meta', dtype=getattr(torch, dtype),
                                 requires_grad=True)
-                for on_chip, keep in WAYS:
-                    with launching_as(on_chip, arch, keep), TrafficCounter(), \
-                            recording_launches() as launches:
-                        torch.autograd.grad(layer(x, (H, W)).sum(), x)
-                    yield from ((launch, dtype) for launch in launches)
+                with TrafficCounter(), recording_launches() as launches:
+                    torch.autograd.grad(layer(x, (H, W)).sum(), x)
+                yield from ((launch, dtype) for launch in launches)
 
 
 @functools.lru_cache(maxsize=None)
 def binder(kernel, arch):
     """Triton's own argument binder of ``kernel`` for sm_<arch>: what a launch on that GPU runs to
-    find the signature and specialisation of its arguments (``JITFunction.run``)."""
+    find the signature and specialization of its arguments (``JITFunction.run``)."""
     backend = make_backend(GPUTarget('cuda', arch, 32))
     return backend, create_function_from_signature(kernel.signature, kernel.params, backend)
 
@@ -268,10 +220,10 @@ def bound(kernel, constexprs, args, arch):
 
 
 def check_launches(launches, jobs, arch=90):
-    """That every launch of the layers (:func:`layer_launches`) runs a specialisation compiled
+    """That every launch of the layers (:func:`layer_launches`) runs a specialization compiled
     here: the signature and attributes that Triton's binder for sm_<arch> gives its arguments are
-    those of :func:`signature` and :func:`attributes` for one of ``jobs`` (:func:`architecture_jobs`
-    of the architecture the layers launched as) with its kernel, constexprs, warps and dtype.
+    those of :func:`signature` and :func:`attributes` for one of ``jobs`` (:func:`architecture_jobs`)
+    with its kernel, constexprs, warps and dtype.
     Returns the keys of ``jobs`` launched; exits naming the first launch that differs."""
     launched = set()
     for launch, dtype in launches:
@@ -330,25 +282,21 @@ def resources(compiled, arch):
 
 def compile_for(kernel, constexprs, warps, dtype, attrs, arch):
     """Registers, spilled bytes, shared memory and stack frame (:func:`resources`) of ``kernel``
-    with ``constexprs``, ``warps`` (a number of warps or the launch options,
-    :func:`~mmdtn.models.layers.dtn.backends.triton_launch.launch_options`) and attributes
-    ``attrs`` (:func:`attributes`) compiled for sm_<arch>, for tokens of ``dtype``."""
+    with ``constexprs``, ``warps`` and attributes ``attrs`` (:func:`attributes`) compiled for
+    sm_<arch>, for tokens of ``dtype``."""
     source = ASTSource(fn=kernel, signature=signature(kernel, constexprs, dtype),
                        constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget('cuda', arch, 32),
-                              options=launch_options(warps).kwargs())
+                              options=dict(num_warps=warps))
     return resources(compiled, arch)
 
 
 def architecture_jobs(layers, conventions, dtypes, arch):
-    """{:func:`job_key`: (kernel, constexprs, warps, dtype, attributes)}: every specialisation the
-    DTN ``layers`` (C, pool, heads) launch on compute capability ``arch``, once each."""
+    """{:func:`job_key`: (kernel, constexprs, warps, dtype, attributes)}: every specialization the
+    DTN ``layers`` (C, pool, heads) launch, once each (the same on every architecture)."""
     specs = [(spec, dict(C=C, d=C // heads)) for C, pool, heads in sorted(layers)
-             for square in conventions
-             for fused, keep in WAYS  # where they run, the fused passes; the staged ones
-             for spec in specializations(C, pool, heads, square, fused, arch, keep)]
-    specs += [(spec, {}) for spec in (triton_parameters.specializations()
-                                      + triton_band.specializations())]
+             for square in conventions for spec in kernels.specs(C, pool, square)]
+    specs += [(spec, {}) for layernorm in (False, True) for spec in parameters.specs(layernorm)]
     jobs = {}
     for (kernel, constexprs, warps), channels in specs:
         attrs = attributes(kernel, constexprs, channels)
@@ -384,19 +332,18 @@ def main():
     for arch in args.arch:
         jobs = architecture_jobs(layers, conventions, args.dtypes, arch)
         launched[arch] = len(jobs), check_launches(
-            tqdm(layer_launches(set().union(*grids.values()), conventions, args.dtypes, arch),
+            tqdm(layer_launches(set().union(*grids.values()), conventions, args.dtypes),
                  desc=f'launches on sm_{arch}', disable=args.json), jobs, arch)
-        for (name, _, options, dtype, multiples), (kernel, constexprs, _, _, attrs) in tqdm(
-                sorted(jobs.items(), key=job_order), desc=f'sm_{arch}', disable=args.json):
-            registers, spills, shared, stack = compile_for(kernel, constexprs, options, dtype,
+        for (name, _, warps, dtype, multiples), (kernel, constexprs, _, _, attrs) in tqdm(
+                sorted(jobs.items(), key=lambda job: repr(job[0])), desc=f'sm_{arch}',
+                disable=args.json):
+            registers, spills, shared, stack = compile_for(kernel, constexprs, warps, dtype,
                                                            attrs, arch)
-            rows.append(dict(kernel=name, arch=arch, dtype=dtype, num_warps=options.num_warps,
-                             max_registers=options.maxnreg,
+            rows.append(dict(kernel=name, arch=arch, dtype=dtype, num_warps=warps,
                              constexprs=constexprs, multiples_of_16=list(multiples),
                              registers=registers, spills=spills,
                              shared_bytes=shared, stack_bytes=stack,
-                             resident_warps=(resident_warps(registers, options.num_warps, shared,
-                                                            arch)
+                             resident_warps=(resident_warps(registers, warps, shared, arch)
                                              if arch in LIMITS else None),
                              within_limits=within_limits(spills, stack, shared, arch)))
     if args.json:
@@ -406,11 +353,9 @@ def main():
     for model, model_grids in grids.items():
         print(f'  {model} grids (C, pool, heads, (H, W)) at {args.sizes}: {model_grids}')
     for arch, (compiled, keys) in launched.items():
-        print(f'Launched by these layers as on sm_{arch} (on meta tensors, forward and backward, '
-              f'both gate initialisations, the products on chip, also with the fused passes\' '
-              f'products kept, and one factor at a time): '
-              f'{len(keys)} of the {compiled} specialisations compiled, each bound by Triton as '
-              'compiled here')
+        print(f'Launched by these layers (on meta tensors, forward and backward, both gate '
+              f'initializations), bound as on sm_{arch}: {len(keys)} of the {compiled} '
+              'specializations compiled, each bound by Triton as compiled here')
     head = (f"{'kernel':<34}{'arch':>5}{'dtype':>10}{'warps':>6}{'regs':>6}{'spills':>8}"
             f"{'stack':>7}{'shared':>8}{'warps/SM':>9}  multiples of 16, constexprs")
     print('\n' + head + '\n' + '-' * len(head))
@@ -418,11 +363,10 @@ def main():
         print(f"{r['kernel']:<34}{r['arch']:>5}{r['dtype']:>10}{r['num_warps']:>6}"
               f"{r['registers']:>6}{r['spills']:>8}{r['stack_bytes']:>7}{r['shared_bytes']:>8}"
               f"{r['resident_warps'] or '-':>9}  "
-              f"{','.join(r['multiples_of_16']) or '-'} {r['constexprs']}"
-              + (f" maxnreg={r['max_registers']}" if r['max_registers'] else ''))
+              f"{','.join(r['multiples_of_16']) or '-'} {r['constexprs']}")
     bad = [r for r in rows if r['within_limits'] is False]
     unknown = ', '.join(f'sm_{arch}' for arch in args.arch if arch not in LIMITS)
-    print(f'\n{len(rows)} compilations, {len(jobs)} specialisations per arch; '
+    print(f'\n{len(rows)} compilations, {len(jobs)} specializations per arch; '
           f'{len(bad)} with spills or over the shared-memory limit'
           + (f' (the shared-memory limit of {unknown} unknown here)' if unknown else ''))
 

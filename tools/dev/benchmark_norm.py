@@ -5,17 +5,19 @@ Shapes: the stages of PVT-Tiny and of Swin-T for an 800 x 1344 input (B = 2; PVT
 320, 512 with DTN heads 4, 4, 5, 8; Swin-T C = 96, 192, 384, 768 with heads 3, 6, 12, 24; both on
 200 x 336, 100 x 168, 50 x 84 and 25 x 42 tokens, pooling 4, 2, 1, 1).
 
-1. Launches and bytes, forward and backward of one layer (input and all parameters require grad):
-   counted while the layer runs, by a dispatch mode that sees every PyTorch operation, inside the
-   backends' custom ops too, and by the backends' records of their compiled kernels. A launch is a
-   PyTorch operation that computes (views and allocations excluded) or a compiled kernel; its
-   bytes are those of the tensors it reads and writes: what a GPU's memory moves if no operand
-   stays in cache between launches. The Triton backend is also counted where there is no GPU, on
-   meta tensors (shapes without data; its kernels are then recorded, not launched).
+1. Launches, allocations and bytes, forward and backward of one layer (input and all parameters
+   require grad): counted while the layer runs, by a dispatch mode that sees every PyTorch
+   operation, inside the backends' custom ops too, and by the backends' records of their compiled
+   kernels. A launch is a PyTorch operation that computes (views and allocations excluded) or a
+   compiled kernel; its bytes are those of the tensors it reads and writes: what a GPU's memory
+   moves if no operand stays in cache between launches. The Triton backend is also counted where
+   there is no GPU, on meta tensors (shapes without data; its kernels are then recorded, not
+   launched).
 2. The traffic model of the Triton backend: bytes per token of every kernel and of the PyTorch
-   operations between them (the positional products of the cells), forward and backward, beside
-   LayerNorm's, for the tokens' dtype; from the same counts, so on any device; beside them the
-   bound of a design fused as far as the math allows (:func:`fused_bound`).
+   operations (the positional products, two reductions), forward and backward, beside LayerNorm's,
+   for the tokens' dtype; from the same counts, so on any device; beside them the time a cost
+   model expects on an H200 (:func:`expected_seconds`) against LayerNorm's time measured there,
+   and the ratio last measured there (:data:`MEASURED_H200`).
 3. Time and peak memory of forward + backward: median over repeats, the normalisers timed in turn
    within every repeat; wall-clock time, or with ``--clock cpu`` the CPU time of the process.
    On CUDA also the time of the GPU alone, with calls queued back to back, and the host's time to
@@ -32,12 +34,15 @@ Shapes: the stages of PVT-Tiny and of Swin-T for an 800 x 1344 input (B = 2; PVT
    paper (:mod:`mmdtn.models.layers.dtn.reference`, an explicit T x T P^h) is timed where its
    T x T tensors fit ``--dense-limit-gb``.
 4. With ``--tables kernels``, the largest kernels of every layer (CUDA: GPU time; CPU: the
-   operations' own CPU time); with ``--tables host``, on any device, where the host's time goes:
-   the own CPU time of every operation and of the Python inside a DTN layer's autograd Function.
+   operations' own CPU time); with ``--tables host``, the host's own time to issue one forward +
+   backward of the Triton backend's layer with the device's work replaced by nothing: on meta
+   tensors, where every PyTorch operation is dispatched, every allocation made and every kernel
+   launch skipped (Triton's launcher itself is not counted), beside ``F.layer_norm``'s time on
+   meta tensors measured the same way, side by side in one run.
 
 Usage::
 
-    python tools/analysis/benchmark_norm.py [--device cpu|cuda] [--backends cpu torch ...]
+    python tools/dev/benchmark_norm.py [--device cpu|cuda] [--backends cpu torch ...]
         [--tables traffic model time kernels host] [--stages pvt_tiny:1 ...]
         [--dtype float32|float16|bfloat16] [--threads N] [--repeats 5] [--clock wall|cpu]
         [--compile] [--dense-limit-gb 2]
@@ -58,7 +63,6 @@ from torch.utils._pytree import tree_leaves
 from tqdm import tqdm
 
 from mmdtn import DynamicTokenNorm, available_backends, set_dtn_backend
-from mmdtn.models.layers.dtn.backends import triton_launch
 from mmdtn.models.layers.dtn.backends.base import recording_launches
 from mmdtn.models.layers.dtn.function import CUSTOM_OP_IMPLEMENTATIONS
 from mmdtn.models.layers.dtn.grid import pooled_size
@@ -86,16 +90,19 @@ def _storage(t):
 
 class TrafficCounter(TorchDispatchMode):
     """Counts the PyTorch operations that compute and the bytes of their tensor operands (inputs
-    read, outputs written), and the compiled kernels the DTN backends record. Custom ops of the
-    DTN backends are counted by what runs inside them."""
+    read, outputs written), the allocations, and the compiled kernels the DTN backends record.
+    Custom ops of the DTN backends are counted by what runs inside them. ``operations`` lists
+    (name, bytes, FLOPs) of every launch (FLOPs of matrix products only)."""
 
     ALLOCATIONS = {'empty', 'empty_like', 'new_empty', 'empty_strided', 'zeros_like', 'lift_fresh',
                    '_local_scalar_dense', 'detach', 'alias', 'set_', '_to_copy_meta'}
+    NEW = {'empty', 'empty_like', 'new_empty', 'empty_strided', 'zeros_like'}
 
     def __init__(self):
         super().__init__()
-        self.launches, self.bytes = 0, 0
+        self.launches, self.bytes, self.allocations = 0, 0, 0
         self.by_kernel = collections.Counter()  # bytes of each compiled kernel, and of 'torch'
+        self.operations = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -109,6 +116,8 @@ class TrafficCounter(TorchDispatchMode):
         # copies where its output has a storage of its own
         copies = func.is_view and torch.is_tensor(out) and not any(
             _storage(out) == _storage(t) for t in tree_leaves(args) if torch.is_tensor(t))
+        if func._opname in self.NEW:
+            self.allocations += 1
         if (computes and (copies or not func.is_view)
                 and func._opname not in self.ALLOCATIONS):
             moved = sum(t.numel() * t.element_size()
@@ -116,6 +125,11 @@ class TrafficCounter(TorchDispatchMode):
             self.launches += 1
             self.bytes += moved
             self.by_kernel['torch'] += moved
+            flops = 0
+            if func._opname == 'bmm':
+                (b, m, k), n = args[0].shape, args[1].shape[-1]
+                flops = 2 * b * m * n * k
+            self.operations.append((f'torch.{func._opname}', moved, flops))
         return out
 
     @contextlib.contextmanager
@@ -126,6 +140,7 @@ class TrafficCounter(TorchDispatchMode):
         for k in launches:
             self.bytes += k.read + k.written
             self.by_kernel[k.name] += k.read + k.written
+            self.operations.append((k.name, k.read + k.written, 0))
 
 
 def traffic(module, x, hw, grad):
@@ -278,7 +293,8 @@ def stage_label(model, stage, C, H, W, pool):
 
 
 def traffic_table(args, device, backends, progress):
-    """Prints the launches and bytes of every layer; returns the counters by (stage, layer)."""
+    """Prints the launches, allocations and bytes of every layer; returns the counters by (stage,
+    layer)."""
     counts = {}
     for model, stage, C, H, W, pool, heads in args.stages:
         label = stage_label(model, stage, C, H, W, pool)
@@ -288,62 +304,108 @@ def traffic_table(args, device, backends, progress):
             set_dtn_backend(backend)
             counts[label, name] = traffic(module, x, (H, W), grad)
         progress.update()
-    print(f'\nLaunches and bytes per layer, batch {args.batch}, {args.dtype} tokens, '
+    print(f'\nLaunches, allocations and bytes per layer, batch {args.batch}, {args.dtype} tokens, '
           f'{device.type} (PyTorch operations and compiled kernels, bytes of their operands; '
           '"on meta": counted on meta tensors)')
-    head = (f"{'stage':<28}{'layer':<20}{'fwd launches':>13}{'fwd MB':>9}{'x LN':>9}"
-            f"{'bwd launches':>13}{'bwd MB':>9}{'x LN':>9}")
+    head = (f"{'stage':<28}{'layer':<20}{'fwd launches':>13}{'allocs':>7}{'fwd MB':>9}"
+            f"{'x LN':>9}{'bwd launches':>13}{'allocs':>7}{'bwd MB':>9}{'x LN':>9}")
     print(head + '\n' + '-' * len(head))
     for (label, name), (fwd, bwd) in counts.items():
         ln_fwd, ln_bwd = counts[label, 'LN']
         where = dict(backends).get(name[4:]) if name.startswith('DTN ') else device
         shown = name + (' (on meta)' if str(where) == 'meta' else '')
-        print(f'{label:<28}{shown:<20}{fwd.launches:>13}{fwd.bytes / 2**20:>9.1f}'
-              f'{fwd.bytes / ln_fwd.bytes:>8.2f}x{bwd.launches:>13}{bwd.bytes / 2**20:>9.1f}'
-              f'{bwd.bytes / ln_bwd.bytes:>8.2f}x')
+        print(f'{label:<28}{shown:<20}{fwd.launches:>13}{fwd.allocations:>7}'
+              f'{fwd.bytes / 2**20:>9.1f}{fwd.bytes / ln_fwd.bytes:>8.2f}x{bwd.launches:>13}'
+              f'{bwd.allocations:>7}{bwd.bytes / 2**20:>9.1f}{bwd.bytes / ln_bwd.bytes:>8.2f}x')
     return counts
 
 
-def fused_bound(C, pool, dtype):
-    """Bytes per token, (forward, backward), that a DTN fused as far as the math allows must move
-    for tokens of ``dtype``: x read twice (once without pooling) and y written forward; g and x
-    read twice and dx written backward. With pooling, Eq. 5's inter-token moments are per cell
-    and channel (first and second, float32: 2 C 4 bytes per cell); they are written once and read
-    once forward (the products fused into the read), and backward m is read twice, dL/dm (two
-    float32 values per cell and channel) written and read back. Without pooling every cell is a
-    token and the moments need not be stored: a kernel could form them from x's neighbours on
-    chip, about a centre that a sample of the tokens gives."""
-    tokens = C * torch.empty((), dtype=dtype).element_size()
-    if pool == 1:
-        return 2 * tokens, 5 * tokens
-    moments = 2 * C * 4 / pool**2
-    return 3 * tokens + 2 * moments, 5 * tokens + 4 * moments
+#: The H200's measured ceilings (device-to-device copy, counting bytes read and written) and its
+#: float32 rate on the CUDA cores (datasheet), and what :func:`expected_seconds` assumes of them:
+#: 70% of the bandwidth for matrix products, 60% of the float32 rate, 35% of the bandwidth for
+#: the passes over the tokens and the reductions, and 2 us between launches.
+H200 = dict(bandwidth=4.3e12, fp32=67e12, products=0.70, rate=0.60, passes=0.35, gap=2e-6)
+
+#: Measured on an H200 (docs/benchmarks.md, batch 2, float16 tokens, forward + backward, at
+#: 0d3d8de, the previous Triton kernels: band walks fused with the passes): LayerNorm's GPU time
+#: (seconds) and the Triton layer's as a multiple of it, by stage label.
+MEASURED_H200 = {
+    'pvt_tiny s1 200x336x64 p4': (278e-6, 1.16), 'pvt_tiny s2 100x168x128 p2': (163e-6, 1.66),
+    'pvt_tiny s3 50x84x320 p1': (52e-6, 13.7), 'pvt_tiny s4 25x42x512 p1': (21e-6, 18.0),
+    'swin_t s1 200x336x96 p4': (298e-6, 1.39), 'swin_t s2 100x168x192 p2': (187e-6, 2.01),
+    'swin_t s3 50x84x384 p1': (52e-6, 17.9), 'swin_t s4 25x42x768 p1': (22e-6, 31.7),
+}
+
+
+def expected_seconds(operations, ceilings=H200):
+    """The GPU time a cost model expects for launches (name, bytes, FLOPs): a matrix product takes
+    the longer of its bytes and FLOPs at their assumed shares of the ceilings, any other launch
+    its bytes at the passes' share, and every launch a gap."""
+    total = 0.0
+    for name, moved, flops in operations:
+        if flops:
+            total += max(moved / (ceilings['products'] * ceilings['bandwidth']),
+                         flops / (ceilings['rate'] * ceilings['fp32']))
+        else:
+            total += moved / (ceilings['passes'] * ceilings['bandwidth'])
+        total += ceilings['gap']
+    return total
 
 
 def model_table(args, counts):
-    """Bytes per token of every Triton kernel and of the PyTorch operations between them, beside
-    the bound of a fused design (:func:`fused_bound`)."""
-    print(f'\nTraffic of the Triton backend per token, {args.dtype} tokens (statistics in '
-          'float32), bytes read + written; targets: forward <= 1.5x and backward <= 2x '
-          "LayerNorm's with pooling, <= 2x and <= 3x without; bound: what a design fused as far "
-          'as the math allows moves')
+    """Bytes per token of every Triton kernel and of the PyTorch operations beside LayerNorm's,
+    and the time :func:`expected_seconds` expects on an H200 beside the last measured."""
+    print(f'\nTraffic of the Triton backend per token, batch {args.batch}, {args.dtype} tokens '
+          '(statistics in float32), bytes read + written; expected: the cost model on an H200 '
+          "(tools/dev/benchmark_norm.py: H200), against LayerNorm's time measured there; "
+          'measured: the previous kernels at 0d3d8de (band walks)')
     for model, stage, C, H, W, pool, heads in args.stages:
         label = stage_label(model, stage, C, H, W, pool)
         if (label, 'DTN triton') not in counts:
             return
         tokens = args.batch * H * W
-        ln = counts[label, 'LN']
+        dtn, ln = counts[label, 'DTN triton'], counts[label, 'LN']
         print(f'  {label}')
-        for pass_, dtn, ln_pass, target, bound in zip(
-                ('forward', 'backward'), counts[label, 'DTN triton'], ln,
-                (1.5, 2.0) if pool > 1 else (2.0, 3.0), fused_bound(C, pool, DTYPES[args.dtype])):
+        for pass_, dtn_pass, ln_pass in zip(('forward', 'backward'), dtn, ln):
             parts = ', '.join(f'{k.replace("triton.", "")} {v / tokens:.0f}'
-                              for k, v in sorted(dtn.by_kernel.items()))
-            ratio, ln_per_token = dtn.bytes / ln_pass.bytes, ln_pass.bytes / tokens
-            print(f'    {pass_:<9} {dtn.bytes / tokens:>7.0f} B/token = {parts}; LayerNorm '
-                  f'{ln_per_token:.0f}: {ratio:.2f}x (target {target}x: '
-                  f"{'met' if ratio <= target else 'not met'}; bound {bound:.0f} B/token, "
-                  f'{bound / ln_per_token:.2f}x)')
+                              for k, v in sorted(dtn_pass.by_kernel.items()))
+            print(f'    {pass_:<9} {dtn_pass.bytes / tokens:>7.0f} B/token = {parts}; LayerNorm '
+                  f'{ln_pass.bytes / tokens:.0f}: {dtn_pass.bytes / ln_pass.bytes:.2f}x')
+        measured = MEASURED_H200.get(label) if args.batch == 2 else None
+        if measured:
+            expected = expected_seconds(dtn[0].operations + dtn[1].operations)
+            print(f'    H200, forward + backward: expected {expected * 1e6:.0f} us = '
+                  f'{expected / measured[0]:.1f}x LayerNorm\'s {measured[0] * 1e6:.0f} us '
+                  f'(measured); previous kernels measured {measured[1]:.2f}x')
+
+
+def host_table(args, progress):
+    """The host's own time per forward + backward of the Triton layer and of ``F.layer_norm`` on
+    meta tensors (every operation dispatched and allocated, no kernel run; see the module
+    docstring), the median of ``--repeats`` rounds of 20 calls each, in turn."""
+    print(f'\nHost time per forward + backward with the device\'s work replaced by nothing '
+          f'(meta tensors), batch {args.batch}, {args.dtype} tokens, median of {args.repeats} '
+          'rounds of 20 calls, side by side')
+    head = f"{'stage':<28}{'LN us':>9}{'DTN triton us':>15}{'x LN':>8}"
+    print(head + '\n' + '-' * len(head))
+    set_dtn_backend('triton')
+    meta = torch.device('meta')
+    for model, stage, C, H, W, pool, heads in args.stages:
+        modules = layers(C, heads, pool, meta, [('triton', meta)], False, DTYPES[args.dtype])
+        x, grad = inputs(C, H, W, args.batch, meta, DTYPES[args.dtype])
+        timings = {name: [] for name in ('LN', 'DTN triton')}
+        for it in range(args.warmup + args.repeats):
+            for name in timings:
+                module = modules[name][0]
+                start = time.perf_counter()
+                for _ in range(20):
+                    forward_backward(module, x, (H, W), grad)
+                if it >= args.warmup:
+                    timings[name].append((time.perf_counter() - start) / 20)
+        ln, dtn = (statistics.median(timings[name]) for name in ('LN', 'DTN triton'))
+        print(f'{stage_label(model, stage, C, H, W, pool):<28}{ln * 1e6:>9.0f}{dtn * 1e6:>15.0f}'
+              f'{dtn / ln:>7.2f}x')
+        progress.update()
 
 
 LAYER_WIDTH = 20  # 'DTN triton compiled'
@@ -400,17 +462,13 @@ def time_table(args, device, names, progress):
 PROFILED_CALLS, KERNELS_SHOWN = 5, 12
 
 
-def kernels_table(args, device, names, progress, host=False):
+def kernels_table(args, device, names, progress):
     """The kernels (CUDA: GPU time of each) or operations (CPU: their own CPU time) that take most
     of one forward + backward of every DTN backend and of LayerNorm, from ``torch.profiler``:
-    microseconds and launches per call, largest first. With ``host``, on any device, the host's
-    own CPU time in every operation, in every launch of a Triton kernel
-    (:func:`triton_launch.labelled_launches`), and in the rest of the Python inside a DTN layer's
-    autograd Function (its own time: the orchestration)."""
+    microseconds and launches per call, largest first."""
     from torch.profiler import ProfilerActivity, profile
-    gpu = device.type == 'cuda' and not host
-    title = 'Host time' if host else 'Kernels'
-    print(f'\n{title} of one forward + backward, batch {args.batch}, {args.dtype}, {device.type}'
+    gpu = device.type == 'cuda'
+    print(f'\nKernels of one forward + backward, batch {args.batch}, {args.dtype}, {device.type}'
           f' (torch.profiler, {PROFILED_CALLS} calls; {"GPU" if gpu else "own CPU"} time)')
     for model, stage, C, H, W, pool, heads in args.stages:
         x, grad = inputs(C, H, W, args.batch, device, DTYPES[args.dtype])
@@ -422,8 +480,7 @@ def kernels_table(args, device, names, progress, host=False):
                 forward_backward(module, x, (H, W), grad)
             sync(device)
             activity = ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU
-            labels = triton_launch.labelled_launches() if host else contextlib.nullcontext()
-            with labels, profile(activities=[activity]) as prof:
+            with profile(activities=[activity]) as prof:
                 for _ in range(PROFILED_CALLS):
                     forward_backward(module, x, (H, W), grad)
                 sync(device)
@@ -433,11 +490,8 @@ def kernels_table(args, device, names, progress, host=False):
             spent = {k: v for k, v in spent.items() if v[0] > 0}
             total = sum(us for us, _ in spent.values())
             launches = sum(n for _, n in spent.values())
-            launched = [v for k, v in spent.items() if k.startswith('launch ')]
             print(f'  {stage_label(model, stage, C, H, W, pool)}, {name}: {total:.0f} us, '
-                  f'{launches:.0f} kernels or operations per call'
-                  + (f'; {sum(n for _, n in launched):.0f} Triton launches, '
-                     f'{sum(us for us, _ in launched):.0f} us' if launched else ''))
+                  f'{launches:.0f} kernels or operations per call')
             for key, (us, n) in sorted(spent.items(), key=lambda kv: -kv[1][0])[:KERNELS_SHOWN]:
                 print(f'    {us:>10.1f} us {100 * us / total:>5.1f}%  x{n:<4.0f} {key[:80]}')
         progress.update()
@@ -469,8 +523,9 @@ def main():
     parser.add_argument('--tables', nargs='+', default=['traffic', 'model', 'time'],
                         choices=['traffic', 'model', 'time', 'kernels', 'host'],
                         help='kernels: the largest kernels (CUDA) or operations (CPU) of every '
-                        'layer, from torch.profiler; host: where the host\'s time goes on any '
-                        'device (neither in the default)')
+                        'layer, from torch.profiler; host: the host\'s time of a Triton layer '
+                        'call beside LayerNorm\'s, device work replaced by nothing (meta '
+                        'tensors); neither in the default')
     add_stages_argument(parser)
     parser.add_argument('--dtype', default='float32', choices=sorted(DTYPES),
                         help='dtype of the tokens (the parameters stay float32)')
@@ -521,7 +576,7 @@ def main():
         if 'kernels' in args.tables:
             kernels_table(args, device, [name for name, _ in backends], progress)
         if 'host' in args.tables:
-            kernels_table(args, device, [name for name, _ in backends], progress, host=True)
+            host_table(args, progress)
 
 
 if __name__ == '__main__':
