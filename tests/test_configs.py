@@ -1,7 +1,7 @@
 """Every config in configs/ parses, builds its model, and carries the recipe it promises.
 
 DTN configs are checked against their LayerNorm twins: the merged configs are equal except for the
-backbone type, ``dtn_init`` and DTN's no-decay keys; the optimiser built from a DTN config gives
+backbone type, ``dtn_init`` and DTN's no-decay keys; the optimizer built from a DTN config gives
 DTN's gates and positional coefficients no weight decay and treats DTN's affine parameters as the
 twin treats its LayerNorms. The ImageNet configs are mmpretrain's recipes but for the stated
 deviations, with the detection configs' backbones. Models are built, never run (pretrained weights
@@ -10,6 +10,7 @@ are not downloaded).
 import copy
 import functools
 import inspect
+import os
 import os.path as osp
 from importlib import import_module
 
@@ -25,7 +26,8 @@ from tiny_datasets import CONFIGS, iter_config_files
 
 
 def _alias_target(path):
-    """The config a former name inherits (a two-line file ``_base_ = './NEW.py'``), or None."""
+    """The config a short name inherits (a file whose one line of code is ``_base_ = './...'``),
+    or None."""
     code = [line for line in open(path).read().splitlines() if not line.startswith('#')]
     if len(code) == 1 and code[0].startswith("_base_ = './"):
         return osp.join(osp.dirname(path), code[0][len("_base_ = './"):-1])
@@ -35,8 +37,10 @@ def _alias_target(path):
 ALL = iter_config_files()
 ALIASES = {p: _alias_target(p) for p in ALL if _alias_target(p)}
 CONFIGS_PROPER = [p for p in ALL if p not in ALIASES]
-TOP = [p for p in CONFIGS_PROPER if osp.dirname(p) == CONFIGS]
-DTN = [p for p in TOP if '-dtn_' in osp.basename(p)]
+#: The model families' folders of detection and segmentation configs (ViT's: test_vit_dtn_configs).
+FAMILIES = ('pvt', 'pvtv2', 'swin')
+TASK = [p for p in CONFIGS_PROPER if osp.relpath(osp.dirname(p), CONFIGS) in FAMILIES]
+DTN = [p for p in TASK if '-dtn_' in osp.basename(p)]
 IMAGENET = [p for p in CONFIGS_PROPER if osp.dirname(p) == osp.join(CONFIGS, 'imagenet')]
 IMAGENET_DTN = [p for p in IMAGENET if '-dtn_' in osp.basename(p)]
 #: ImageNet config stem: (the detection config of the same backbone, mmpretrain's recipe).
@@ -48,21 +52,16 @@ IMAGENET_STEMS = {
     'pvtv2-b2': ('retinanet_pvtv2-b2', 'twins/twins-pcpvt-small_8xb128_in1k.py'),
     'swin-t-p4-w7': ('retinanet_swin-t-p4-w7', 'swin_transformer/swin-tiny_16xb64_in1k.py'),
 }
-DET = ['retinanet_pvt-t', 'retinanet_pvt-s', 'mask-rcnn_pvt-t', 'mask-rcnn_pvt-s',
-       'retinanet_swin-t-p4-w7', 'mask-rcnn_swin-t-p4-w7', 'retinanet_pvtv2-b0',
-       'retinanet_pvtv2-b1', 'retinanet_pvtv2-b2']
+#: Detection config stem: its family's folder.
+DET = {'retinanet_pvt-t': 'pvt', 'retinanet_pvt-s': 'pvt', 'mask-rcnn_pvt-t': 'pvt',
+       'mask-rcnn_pvt-s': 'pvt', 'retinanet_swin-t-p4-w7': 'swin',
+       'mask-rcnn_swin-t-p4-w7': 'swin', 'retinanet_pvtv2-b0': 'pvtv2',
+       'retinanet_pvtv2-b1': 'pvtv2', 'retinanet_pvtv2-b2': 'pvtv2'}
 SEG = ['fpn_pvt-t', 'fpn_pvt-s']
 UPERNET = 'swin-tiny-patch4-window7-in1k-pre-{norm}_upernet_8xb2-160k_ade20k-512x512.py'
-#: The names the configs had before they followed mmdet's and mmseg's naming; users' commands and
-#: work directories still use them.
-FORMER_NAMES = [f'{model}_{backbone}_{norm}_{suffix}.py' for norm in ('dtn', 'ln')
-                for model, backbone, suffix in [
-                    ('retinanet', 'pvt_tiny', '1x'), ('retinanet', 'pvt_small', '1x'),
-                    ('retinanet', 'pvtv2_b0', '1x'), ('retinanet', 'pvtv2_b1', '1x'),
-                    ('retinanet', 'pvtv2_b2', '1x'), ('retinanet', 'swin_tiny', '1x'),
-                    ('mask_rcnn', 'pvt_tiny', '1x'), ('mask_rcnn', 'pvt_small', '1x'),
-                    ('mask_rcnn', 'swin_tiny', '1x'), ('semfpn', 'pvt_tiny', 'ade20k_40k'),
-                    ('semfpn', 'pvt_small', 'ade20k_40k'), ('upernet', 'swin_tiny', 'ade20k_160k')]]
+#: The one short name kept at the top of configs/, the name the first commands used, and the
+#: config it stands for.
+SHORT_NAMES = {'retinanet_pvt_tiny_dtn_1x.py': 'pvt/retinanet_pvt-t-dtn_fpn_1x_coco.py'}
 DTN_KEYS = DTN_ONLY_PARAMETERS
 PVT_CHECKPOINTS = {'pvt-t': 'pvt_tiny.pth', 'pvt-s': 'pvt_small.pth',
                    'pvtv2-b0': 'pvt_v2_b0.pth', 'pvtv2-b1': 'pvt_v2_b1.pth',
@@ -79,30 +78,42 @@ def _name(path):
     return osp.relpath(path, CONFIGS)
 
 
+def _det(stem, norm):
+    """The path of a COCO detection config: its stem and ``'dtn'`` or ``'ln'``."""
+    return osp.join(CONFIGS, DET[stem], f'{stem}-{norm}_fpn_1x_coco.py')
+
+
+def _seg(stem, norm):
+    """The path of a Semantic FPN ADE20K config (all PVT)."""
+    return osp.join(CONFIGS, 'pvt', f'{stem}-{norm}_8xb4-40k_ade20k-512x512.py')
+
+
 def _models_registry(scope):
     init_default_scope(scope)
     return import_module(f'{scope}.registry').MODELS
 
 
 def test_expected_files_exist():
-    names = {osp.basename(p) for p in TOP}
+    names = {_name(p) for p in TASK}
     for norm in ('dtn', 'ln'):
         for stem in DET:
-            assert f'{stem}-{norm}_fpn_1x_coco.py' in names
+            assert _name(_det(stem, norm)) in names
         for stem in SEG:
-            assert f'{stem}-{norm}_8xb4-40k_ade20k-512x512.py' in names
-        assert UPERNET.format(norm=norm) in names
-    assert len(TOP) == 2 * (len(DET) + len(SEG) + 1)
+            assert _name(_seg(stem, norm)) in names
+        assert osp.join('swin', UPERNET.format(norm=norm)) in names
+    assert len(TASK) == 2 * (len(DET) + len(SEG) + 1)
     assert {osp.basename(p) for p in IMAGENET} == {
         f'{stem}-{norm}_8xb128_in1k.py' for stem in IMAGENET_STEMS for norm in ('dtn', 'ln')} | {
         f'vit-{size}-star-{norm}_4xb256_in1k.py' for size in 'tsb' for norm in ('dtn', 'ln')}
-    assert set(ALIASES) == {osp.join(CONFIGS, n) for n in FORMER_NAMES}
+    assert set(ALIASES) == {osp.join(CONFIGS, n) for n in SHORT_NAMES}
+    # nothing but the short name and the folders at the top of configs/
+    assert [f for f in sorted(os.listdir(CONFIGS)) if f.endswith('.py')] == sorted(SHORT_NAMES)
 
 
-@pytest.mark.parametrize('name', FORMER_NAMES)
-def test_former_names_are_the_renamed_configs(name):
+@pytest.mark.parametrize('name', SHORT_NAMES)
+def test_short_name_is_its_config(name):
     path = osp.join(CONFIGS, name)
-    assert path in ALIASES and ALIASES[path] in TOP
+    assert ALIASES[path] == osp.join(CONFIGS, SHORT_NAMES[name]) and ALIASES[path] in TASK
     assert _load(path).to_dict() == _load(ALIASES[path]).to_dict()
 
 
@@ -125,8 +136,8 @@ def test_config_parses_and_builds(path):
         assert n_dtn > 0
     elif '-ln_' in osp.basename(path):
         assert n_dtn == 0
-    if path in TOP or path in IMAGENET:
-        # The optimiser builds on the model (paramwise keys and all).
+    if path in TASK or path in IMAGENET:
+        # The optimizer builds on the model (paramwise keys and all).
         build_optim_wrapper(model, copy.deepcopy(cfg.optim_wrapper))
 
 
@@ -151,7 +162,7 @@ def test_dtn_config_is_its_ln_twin_plus_dtn(path):
     dtn_d, ln_d = copy.deepcopy(dtn_cfg.to_dict()), copy.deepcopy(ln_cfg.to_dict())
     ln_backbone = ln_d['model']['backbone']['type'].split('.')[-1]
     assert dtn_d['model']['backbone']['type'] == ln_backbone + 'DTN'
-    # The paper's initialisation (Algorithm 1); 'layernorm' is the opt-in start from a LN
+    # The paper's initialization (Algorithm 1); 'layernorm' is the opt-in start from a LN
     # checkpoint.
     assert dtn_d['model']['backbone'].get('dtn_init', 'paper') == 'paper'
     keys = dtn_d['optim_wrapper']['paramwise_cfg']['custom_keys']
@@ -181,7 +192,7 @@ def _detection_recipe(cfg, lr, wd, betas=None):
 @pytest.mark.parametrize('stem', DET)
 def test_detection_hyper_parameters(stem):
     for norm in ('ln', 'dtn'):
-        cfg = _load(osp.join(CONFIGS, f'{stem}-{norm}_fpn_1x_coco.py'))
+        cfg = _load(_det(stem, norm))
         if 'swin' in stem:
             _detection_recipe(cfg, 1e-4, 0.05, (0.9, 0.999))
             ckpt = cfg.model.backbone.init_cfg.checkpoint
@@ -202,7 +213,7 @@ def test_detection_hyper_parameters(stem):
 @pytest.mark.parametrize('stem', SEG)
 def test_semantic_fpn_hyper_parameters(stem):
     for norm in ('ln', 'dtn'):
-        cfg = _load(osp.join(CONFIGS, f'{stem}-{norm}_8xb4-40k_ade20k-512x512.py'))
+        cfg = _load(_seg(stem, norm))
         opt = cfg.optim_wrapper.optimizer
         assert opt.type == 'AdamW' and opt.lr == 2e-4 and opt.weight_decay == 1e-4
         (poly,) = cfg.param_scheduler
@@ -228,7 +239,7 @@ def test_upernet_swin_is_mmsegs_recipe():
     stock = get_config(
         'mmseg::swin/swin-tiny-patch4-window7-in1k-pre_upernet_8xb2-160k_ade20k-512x512.py')
     for norm in ('ln', 'dtn'):
-        cfg = _load(osp.join(CONFIGS, UPERNET.format(norm=norm)))
+        cfg = _load(osp.join(CONFIGS, 'swin', UPERNET.format(norm=norm)))
         assert cfg.train_cfg.max_iters == 160000
         assert _plain(cfg.optim_wrapper.optimizer) == _plain(stock.optim_wrapper.optimizer)
         assert _plain(cfg.param_scheduler) == _plain(stock.param_scheduler)
@@ -237,7 +248,7 @@ def test_upernet_swin_is_mmsegs_recipe():
 
 
 def _decay_by_name(cfg_path):
-    """{parameter name: weight decay} of the optimiser a config builds (backbone only)."""
+    """{parameter name: weight decay} of the optimizer a config builds (backbone only)."""
     cfg = _load(cfg_path)
     model = _models_registry(cfg.default_scope).build(copy.deepcopy(cfg.model))
     wrapper = build_optim_wrapper(model, copy.deepcopy(cfg.optim_wrapper))
@@ -250,8 +261,8 @@ def _decay_by_name(cfg_path):
 
 @pytest.mark.parametrize('stem', ['retinanet_pvt-t', 'mask-rcnn_swin-t-p4-w7'])
 def test_dtn_parameters_weight_decay(stem):
-    dtn, cfg = _decay_by_name(osp.join(CONFIGS, f'{stem}-dtn_fpn_1x_coco.py'))
-    ln, _ = _decay_by_name(osp.join(CONFIGS, f'{stem}-ln_fpn_1x_coco.py'))
+    dtn, cfg = _decay_by_name(_det(stem, 'dtn'))
+    ln, _ = _decay_by_name(_det(stem, 'ln'))
     wd = cfg.optim_wrapper.optimizer.weight_decay
     dtn_only = [n for n in dtn if n.rsplit('.', 1)[-1] in DTN_KEYS]
     assert dtn_only, 'no DTN parameters found'
@@ -288,7 +299,7 @@ def test_imagenet_backbone_is_the_detectors(stem):
     det, _ = IMAGENET_STEMS[stem]
     for norm in ('ln', 'dtn'):
         cls_cfg = _load(osp.join(CONFIGS, 'imagenet', f'{stem}-{norm}_8xb128_in1k.py'))
-        det_cfg = _load(osp.join(CONFIGS, f'{det}-{norm}_fpn_1x_coco.py'))
+        det_cfg = _load(_det(det, norm))
         assert cls_cfg.model.backbone.type.split('.')[-1] == det_cfg.model.backbone.type
         assert _effective_backbone(cls_cfg.model.backbone) == \
             _effective_backbone(det_cfg.model.backbone)

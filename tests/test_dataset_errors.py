@@ -31,8 +31,8 @@ REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 
 def tiny_det_cfg(tmp_path, root, with_mask=True):
     path = tmp_path / 'cfg.py'
-    path.write_text(f"_base_ = {osp.join(CONFIGS, 'mask-rcnn_pvt-t-dtn_fpn_1x_coco.py')!r}\n" +
-                    det_overrides(root, with_mask=with_mask))
+    base = osp.join(CONFIGS, 'pvt', 'mask-rcnn_pvt-t-dtn_fpn_1x_coco.py')
+    path.write_text(f"_base_ = {base!r}\n" + det_overrides(root, with_mask=with_mask))
     return Config.fromfile(str(path))
 
 
@@ -47,7 +47,7 @@ def test_train_tool_missing_coco_names_expected_layout(tmp_path):
     """The command users type, in a directory without data/: one clear message, no traceback."""
     proc = subprocess.run(
         [sys.executable, osp.join(REPO, 'tools', 'train.py'),
-         osp.join(CONFIGS, 'retinanet_pvt-t-dtn_fpn_1x_coco.py')],
+         osp.join(CONFIGS, 'pvt', 'retinanet_pvt-t-dtn_fpn_1x_coco.py')],
         cwd=tmp_path, env=env_for_subprocess(None, REPO), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, timeout=120)
     assert proc.returncode == 1
@@ -63,7 +63,8 @@ def test_train_tool_missing_coco_names_expected_layout(tmp_path):
 def test_missing_ade20k_names_expected_layout(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = Config.fromfile(osp.join(
-        CONFIGS, 'swin-tiny-patch4-window7-in1k-pre-dtn_upernet_8xb2-160k_ade20k-512x512.py'))
+        CONFIGS, 'swin',
+        'swin-tiny-patch4-window7-in1k-pre-dtn_upernet_8xb2-160k_ade20k-512x512.py'))
     with pytest.raises(DatasetNotFoundError) as e:
         check_datasets(cfg, ['train', 'val'])
     msg = str(e.value)
@@ -168,7 +169,7 @@ def test_evaluator_annotation_file_missing(coco):
 def test_segmentation_label_map_missing(tmp_path):
     root = str(tmp_path / 'seg')
     make_seg(root)
-    cfg = Config.fromfile(osp.join(CONFIGS, 'fpn_pvt-t-dtn_8xb4-40k_ade20k-512x512.py'))
+    cfg = Config.fromfile(osp.join(CONFIGS, 'pvt', 'fpn_pvt-t-dtn_8xb4-40k_ade20k-512x512.py'))
     cfg.train_dataloader.dataset.data_root = root
     check_datasets(cfg, ['train'])
     os.remove(osp.join(root, 'annotations', 'training', '002.png'))

@@ -1,6 +1,6 @@
 """Mask R-CNN PVT-Tiny-DTN on real photographs: fruits_nuts (18 images, 3 classes, polygons).
 
-The COCO config ``configs/mask-rcnn_pvt-t-dtn_fpn_1x_coco.py`` is pointed at a split of the
+The COCO config ``configs/pvt/mask-rcnn_pvt-t-dtn_fpn_1x_coco.py`` is pointed at a split of the
 read-only dataset (images 0-13 train, 14-17 val; split files are written to a temporary folder),
 trained for one short epoch from scratch with ``tools/train.py`` and evaluated with
 ``tools/test.py`` (mmdet's CocoMetric, bbox and segm), each as the user would run them.
@@ -88,8 +88,9 @@ def test_mask_rcnn_pvt_tiny_dtn_trains_and_evaluates_on_fruits_nuts(tmp_path):
     assert (n_train, n_val) == (14, 4) and a_train > 0 and a_val > 0
     cfg_file = tmp_path / 'mask_rcnn_fruits_nuts.py'
     cfg_file.write_text(CONFIG.format(
-        base=osp.join(ROOT, 'configs', 'mask-rcnn_pvt-t-dtn_fpn_1x_coco.py'), data_root=FRUITS,
-        classes=CLASSES, train_ann=tmp_path / 'train.json', val_ann=tmp_path / 'val.json'))
+        base=osp.join(ROOT, 'configs', 'pvt', 'mask-rcnn_pvt-t-dtn_fpn_1x_coco.py'),
+        data_root=FRUITS, classes=CLASSES, train_ann=tmp_path / 'train.json',
+        val_ann=tmp_path / 'val.json'))
     work_dir = tmp_path / 'work'
 
     out = run([sys.executable, 'tools/train.py', str(cfg_file), '--work-dir', str(work_dir)], ROOT)

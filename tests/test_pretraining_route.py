@@ -1,8 +1,8 @@
 """From ImageNet to COCO: DTN models pretrained with timm or mmpretrain, loaded into the mmdet and
 mmseg DTN backbones of the detection and segmentation configs.
 
-The classifiers are randomly initialised and their DTN parameters (gates, positional
-coefficients, affines) randomised, so that only parameters really carried over reproduce the
+The classifiers are randomly initialized and their DTN parameters (gates, positional
+coefficients, affines) randomized, so that only parameters really carried over reproduce the
 classifier's features in the detector's backbone.
 """
 import argparse
@@ -34,10 +34,10 @@ CONFIGS = osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), 'configs')
 
 #: timm's DTN models and the detection config whose backbone they are pretrained for
 TIMM_DETECTORS = {
-    'pvt_v2_b0_dtn': 'retinanet_pvtv2-b0-dtn_fpn_1x_coco',
-    'pvt_v2_b1_dtn': 'retinanet_pvtv2-b1-dtn_fpn_1x_coco',
-    'pvt_v2_b2_dtn': 'retinanet_pvtv2-b2-dtn_fpn_1x_coco',
-    'swin_tiny_patch4_window7_224_dtn': 'retinanet_swin-t-p4-w7-dtn_fpn_1x_coco',
+    'pvt_v2_b0_dtn': 'pvtv2/retinanet_pvtv2-b0-dtn_fpn_1x_coco',
+    'pvt_v2_b1_dtn': 'pvtv2/retinanet_pvtv2-b1-dtn_fpn_1x_coco',
+    'pvt_v2_b2_dtn': 'pvtv2/retinanet_pvtv2-b2-dtn_fpn_1x_coco',
+    'swin_tiny_patch4_window7_224_dtn': 'swin/retinanet_swin-t-p4-w7-dtn_fpn_1x_coco',
 }
 DTN_ATTRIBUTES = ('num_features', 'num_heads', 'pool_size', 'eps', 'init', 'reference_compat')
 
@@ -68,7 +68,7 @@ def config(name):
 
 
 def pretrained_backbone(config_name, checkpoint, registry=MMDET_MODELS, **overrides):
-    """The backbone of a detection/segmentation config, built by ``registry`` and initialised
+    """The backbone of a detection/segmentation config, built by ``registry`` and initialized
     with ``init_cfg=dict(type='Pretrained', checkpoint=checkpoint)``, in eval mode."""
     cfg = config(config_name).model.backbone
     cfg['init_cfg'] = dict(type='Pretrained', checkpoint=str(checkpoint))
@@ -79,7 +79,7 @@ def pretrained_backbone(config_name, checkpoint, registry=MMDET_MODELS, **overri
 
 
 def classifier(config_name, **backbone):
-    """An mmpretrain ImageClassifier of ``configs/imagenet/``, randomly initialised."""
+    """An mmpretrain ImageClassifier of ``configs/imagenet/``, randomly initialized."""
     cfg = config('imagenet/' + config_name).model
     cfg.backbone.update(backbone)
     model = MMPRETRAIN_MODELS.build(cfg)
@@ -206,7 +206,7 @@ def timm_stage_features(model, backbone, x):
 
 def saved_by_timm_train(model, name, directory):
     """The best checkpoint of timm's train.py (its ``CheckpointSaver``: weights under
-    ``state_dict``, the optimiser, the command line as an ``argparse.Namespace``)."""
+    ``state_dict``, the optimizer, the command line as an ``argparse.Namespace``)."""
     args = argparse.Namespace(model=name, lr=1e-3, epochs=300,
                               model_kwargs=dict(dtn_init='paper'), input_size=None)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -248,15 +248,16 @@ def test_timm_classifier_loads_into_the_detector_backbone(name, timm_model, tmp_
 #: mmpretrain classifiers of configs/imagenet/, the configs they are loaded into, and by which
 #: library's registry
 MMPRETRAIN_ROUTES = [
-    ('pvt-t-dtn_8xb128_in1k', 'retinanet_pvt-t-dtn_fpn_1x_coco', MMDET_MODELS),
-    ('pvtv2-b0-dtn_8xb128_in1k', 'retinanet_pvtv2-b0-dtn_fpn_1x_coco', MMDET_MODELS),
-    ('swin-t-p4-w7-dtn_8xb128_in1k', 'retinanet_swin-t-p4-w7-dtn_fpn_1x_coco', MMDET_MODELS),
-    ('pvt-t-dtn_8xb128_in1k', 'fpn_pvt-t-dtn_8xb4-40k_ade20k-512x512', MMSEG_MODELS),
+    ('pvt-t-dtn_8xb128_in1k', 'pvt/retinanet_pvt-t-dtn_fpn_1x_coco', MMDET_MODELS),
+    ('pvtv2-b0-dtn_8xb128_in1k', 'pvtv2/retinanet_pvtv2-b0-dtn_fpn_1x_coco', MMDET_MODELS),
+    ('swin-t-p4-w7-dtn_8xb128_in1k', 'swin/retinanet_swin-t-p4-w7-dtn_fpn_1x_coco', MMDET_MODELS),
+    ('pvt-t-dtn_8xb128_in1k', 'pvt/fpn_pvt-t-dtn_8xb4-40k_ade20k-512x512', MMSEG_MODELS),
 ]
 
 
 @pytest.mark.parametrize('imagenet, dense, registry', MMPRETRAIN_ROUTES,
-                         ids=[f'{a}-to-{b.split("_")[0]}' for a, b, _ in MMPRETRAIN_ROUTES])
+                         ids=[f'{a}-to-{osp.basename(b).split("_")[0]}'
+                              for a, b, _ in MMPRETRAIN_ROUTES])
 def test_mmpretrain_classifier_loads_into_the_dense_backbone(imagenet, dense, registry, tmp_path,
                                                              mmlogger_messages):
     """A checkpoint of an mmpretrain ImageClassifier (``state_dict`` with ``backbone.``,
@@ -282,12 +283,12 @@ def test_mismatched_dtn_weights_are_an_error_naming_the_key(timm_model, tmp_path
     torch.save(timm_model('pvt_v2_b0_dtn', dtn_heads=2).state_dict(), tmp_path / 'timm.pth')
     with pytest.raises(ValueError, match=r'layers\.0\.1\.0\.norm1\.mean_gate: checkpoint \(2,\) '
                        r'vs model \(4,\)'):
-        pretrained_backbone('retinanet_pvtv2-b0-dtn_fpn_1x_coco', tmp_path / 'timm.pth')
+        pretrained_backbone('pvtv2/retinanet_pvtv2-b0-dtn_fpn_1x_coco', tmp_path / 'timm.pth')
     model = classifier('pvtv2-b0-dtn_8xb128_in1k', dtn_heads=[2, 2, 5, 8])
     torch.save({'state_dict': model.state_dict()}, tmp_path / 'mmpretrain.pth')
     with pytest.raises(ValueError, match=r'layers\.1\.1\.0\.norm1\.var_gate: checkpoint '
                        r'\(2,\) vs model \(4,\)'):
-        pretrained_backbone('retinanet_pvtv2-b0-dtn_fpn_1x_coco', tmp_path / 'mmpretrain.pth')
+        pretrained_backbone('pvtv2/retinanet_pvtv2-b0-dtn_fpn_1x_coco', tmp_path / 'mmpretrain.pth')
 
 
 # ---------------------------------------------------------------------------- LayerNorm start
@@ -304,7 +305,7 @@ def perturb_layernorms(model, seed=0):
 def test_layernorm_start_is_the_layernorm_model_then_its_gates_train(tmp_path):
     """``dtn_init='layernorm'`` from a LayerNorm classifier: the LayerNorm model's features at
     step 0 (1e-4), gates that leave LayerNorm under AdamW at a fine-tuning learning rate (1e-4,
-    the config's optimiser) on the classifier's loss, and a checkpoint that carries them into
+    the config's optimizer) on the classifier's loss, and a checkpoint that carries them into
     the detector's backbone."""
     torch.manual_seed(0)
     ln = perturb_layernorms(classifier('pvtv2-b0-ln_8xb128_in1k', out_indices=(0, 1, 2, 3)))
@@ -344,8 +345,8 @@ def test_layernorm_start_is_the_layernorm_model_then_its_gates_train(tmp_path):
     with torch.no_grad():
         features = dtn.backbone(x)
     for init in ('paper', 'layernorm'):
-        backbone = pretrained_backbone('retinanet_pvtv2-b0-dtn_fpn_1x_coco', tmp_path / 'dtn.pth',
-                                       dtn_init=init)
+        backbone = pretrained_backbone('pvtv2/retinanet_pvtv2-b0-dtn_fpn_1x_coco',
+                                       tmp_path / 'dtn.pth', dtn_init=init)
         for p, q in zip(layers, dtn_layers(backbone)):
             torch.testing.assert_close(q.mean_lambda, p.mean_lambda, rtol=1e-6, atol=1e-9)
             torch.testing.assert_close(q.var_lambda, p.var_lambda, rtol=1e-6, atol=1e-9)

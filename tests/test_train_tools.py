@@ -82,7 +82,7 @@ def coco_root(tmp_path_factory):
 
 
 def test_mask_rcnn_pvt_tiny_dtn_train_then_coco_bbox_segm_eval(tmp_path, coco_root):
-    cfg = write_config(tmp_path / 'mask_rcnn.py', 'mask-rcnn_pvt-t-dtn_fpn_1x_coco.py',
+    cfg = write_config(tmp_path / 'mask_rcnn.py', 'pvt/mask-rcnn_pvt-t-dtn_fpn_1x_coco.py',
                        det_overrides(coco_root, with_mask=True, validate=False), MASK_RCNN)
     work = tmp_path / 'work'
     assert_ok(*run([sys.executable, TRAIN, cfg, '--work-dir', work], tmp_path))
@@ -135,7 +135,7 @@ env_cfg = dict(cudnn_benchmark=False, mp_cfg=dict(opencv_num_threads=1))
 def test_semantic_fpn_pvt_tiny_dtn_train_then_miou(tmp_path):
     root = str(tmp_path / 'seg')
     make_seg(root)
-    cfg = write_config(tmp_path / 'semfpn.py', 'fpn_pvt-t-dtn_8xb4-40k_ade20k-512x512.py',
+    cfg = write_config(tmp_path / 'semfpn.py', 'pvt/fpn_pvt-t-dtn_8xb4-40k_ade20k-512x512.py',
                        SEG_OVERRIDES.format(root=root))
     work = tmp_path / 'work'
     assert_ok(*run([sys.executable, TRAIN, cfg, '--work-dir', work], tmp_path))
@@ -152,7 +152,7 @@ def test_semantic_fpn_pvt_tiny_dtn_train_then_miou(tmp_path):
 
 
 def test_dist_train_then_dist_test_two_cpu_processes_gloo(tmp_path, coco_root):
-    cfg = write_config(tmp_path / 'retinanet.py', 'retinanet_pvt-t-dtn_fpn_1x_coco.py',
+    cfg = write_config(tmp_path / 'retinanet.py', 'pvt/retinanet_pvt-t-dtn_fpn_1x_coco.py',
                        det_overrides(coco_root, batch_size=1), RETINANET)
     work = tmp_path / 'work'
     rc, out = run(['bash', osp.join(REPO, 'tools', 'dist_train.sh'), cfg, 2, '--work-dir', work,
@@ -239,7 +239,7 @@ def test_slurm_scripts_train_then_test_on_cpu_tasks(tmp_path, coco_root):
         os.chmod(bin_dir / name, 0o755)
     env = dict(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", GPUS='2', GPUS_PER_NODE='0',
                CPUS_PER_TASK='1', PYTHON=sys.executable, FAKE_SRUN_LOG=str(tmp_path / 'srun.json'))
-    cfg = write_config(tmp_path / 'retinanet.py', 'retinanet_pvt-t-dtn_fpn_1x_coco.py',
+    cfg = write_config(tmp_path / 'retinanet.py', 'pvt/retinanet_pvt-t-dtn_fpn_1x_coco.py',
                        det_overrides(coco_root, batch_size=1), RETINANET)
     work = tmp_path / 'work'
     rc, out = run(['bash', osp.join(REPO, 'tools', 'slurm_train.sh'), 'debug', 'dtn', cfg, work,
@@ -267,7 +267,7 @@ def test_slurm_scripts_train_then_test_on_cpu_tasks(tmp_path, coco_root):
 def test_retinanet_killed_mid_epoch_resumes_then_coco_eval(tmp_path, coco_root):
     """RetinaNet PVT-Tiny-DTN: a training process killed mid-epoch resumes to the same iteration
     count with finite losses; tools/test.py then evaluates the final checkpoint with CocoMetric."""
-    cfg = write_config(tmp_path / 'retinanet.py', 'retinanet_pvt-t-dtn_fpn_1x_coco.py',
+    cfg = write_config(tmp_path / 'retinanet.py', 'pvt/retinanet_pvt-t-dtn_fpn_1x_coco.py',
                        det_overrides(coco_root, batch_size=1, max_epochs=3, validate=False),
                        RETINANET)
     work = tmp_path / 'work'

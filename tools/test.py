@@ -1,7 +1,7 @@
 """Evaluate a checkpoint with the config's test evaluator: detection (mmdet), segmentation (mmseg),
 image classification (mmpretrain).
 
-    python tools/test.py configs/retinanet_pvt-t-dtn_fpn_1x_coco.py CHECKPOINT [--work-dir DIR]
+    python tools/test.py configs/pvt/retinanet_pvt-t-dtn_fpn_1x_coco.py CHECKPOINT [--work-dir DIR]
         [--out FILE_OR_DIR] [--show] [--show-dir DIR] [--cfg-options KEY=VALUE ...]
         [--launcher none|pytorch|slurm] [--tta]
 

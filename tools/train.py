@@ -1,7 +1,7 @@
 """Train a detector (mmdet), a segmentor (mmseg) or an image classifier (mmpretrain) from a config;
 its default_scope decides which.
 
-    python tools/train.py configs/retinanet_pvt-t-dtn_fpn_1x_coco.py [--work-dir DIR]
+    python tools/train.py configs/pvt/retinanet_pvt-t-dtn_fpn_1x_coco.py [--work-dir DIR]
         [--resume [CKPT]] [--amp] [--auto-scale-lr] [--cfg-options KEY=VALUE ...]
         [--launcher none|pytorch|slurm]
 

@@ -4,7 +4,7 @@
 # dtn_init='layernorm' `mean_gate_distance`, `var_gate_distance`, their distances from LayerNorm)
 # and its positional coefficients (`pos_coef`, the a^h of Eq. 6) get no weight decay: decaying them
 # would pull lambda towards 0.5 (or 1) and the positional softmax towards uniform attention, i.e.
-# towards a fixed normaliser instead of a learnt one. The keys are
+# towards a fixed normalizer instead of a learnt one. The keys are
 # mmdtn.models.layers.DTN_ONLY_PARAMETERS (a config cannot import it; tests/test_configs.py pins
 # the two together). DTN's affine `weight` and `bias` are
 # treated as the LayerNorm they replace in the LN twin:

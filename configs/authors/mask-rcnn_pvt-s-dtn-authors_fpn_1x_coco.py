@@ -1,4 +1,4 @@
 # Mask R-CNN, the authors' DTN-PVT-Small ImageNet checkpoint, COCO: the recipe of
-# ../mask-rcnn_pvt-s-dtn_fpn_1x_coco.py with the backbone of _base_/dtn_authors_pvt.py.
-_base_ = ['../mask-rcnn_pvt-s-dtn_fpn_1x_coco.py', '../_base_/dtn_authors_pvt.py']
+# ../pvt/mask-rcnn_pvt-s-dtn_fpn_1x_coco.py with the backbone of _base_/dtn_authors_pvt.py.
+_base_ = ['../pvt/mask-rcnn_pvt-s-dtn_fpn_1x_coco.py', '../_base_/dtn_authors_pvt.py']
 model = dict(backbone={{_base_.dtn_authors_pvt_small}})

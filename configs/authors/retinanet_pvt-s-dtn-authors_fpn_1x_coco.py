@@ -1,4 +1,4 @@
 # RetinaNet, the authors' DTN-PVT-Small ImageNet checkpoint, COCO: the recipe of
-# ../retinanet_pvt-s-dtn_fpn_1x_coco.py with the backbone of _base_/dtn_authors_pvt.py.
-_base_ = ['../retinanet_pvt-s-dtn_fpn_1x_coco.py', '../_base_/dtn_authors_pvt.py']
+# ../pvt/retinanet_pvt-s-dtn_fpn_1x_coco.py with the backbone of _base_/dtn_authors_pvt.py.
+_base_ = ['../pvt/retinanet_pvt-s-dtn_fpn_1x_coco.py', '../_base_/dtn_authors_pvt.py']
 model = dict(backbone={{_base_.dtn_authors_pvt_small}})

@@ -34,7 +34,7 @@ model = dict(
         in_channels=512,
         loss=dict(type='CrossEntropyLoss', loss_weight=1.0),
         topk=(1, )))
-data_preprocessor = dict(  # the detectors' normalisation (mmdet's DetDataPreprocessor)
+data_preprocessor = dict(  # the detectors' normalization (mmdet's DetDataPreprocessor)
     num_classes=len(classes),
     mean=[123.675, 116.28, 103.53],
     std=[58.395, 57.12, 57.375],

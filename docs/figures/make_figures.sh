@@ -6,10 +6,10 @@
 # WORK_DIR (default work_dirs/demo_mask_rcnn) holds the checkpoint(s) written by tools/demo.py; the
 # model is the demo's PVT-Tiny-DTN Mask R-CNN (configs/demo/mask_rcnn_pvt_tiny_dtn_shapes.py) and
 # the images are the first 8 of the demo's val split. Without checkpoints the figures show the
-# randomly initialised model; without the demo data, synthetic images. Complexity is PVT-Tiny-DTN
+# randomly initialized model; without the demo data, synthetic images. Complexity is PVT-Tiny-DTN
 # RetinaNet against its LN twin at 224 x 224, the paper's Table 2 setting. The ViT figure is the
 # paper's Fig. 2 layout (mean attention distance per head and block, ViT-S* with DTN beside its LN
-# twin) for randomly initialised models on two synthetic 224 x 224 images.
+# twin) for randomly initialized models on two synthetic 224 x 224 images.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
@@ -28,9 +28,9 @@ if [ -d "$DATA/val" ]; then
     for f in $(ls -1 "$DATA"/val/*.png | head -n 8); do ln -s "$(realpath "$f")" "$TMP/images/"; done
     IMAGES=(--images "$TMP/images")
 fi
-echo "checkpoint: ${CKPT:-none (random initialisation)}; images: ${IMAGES[*]:-synthetic}"
+echo "checkpoint: ${CKPT:-none (random initialization)}; images: ${IMAGES[*]:-synthetic}"
 
-$PY tools/analysis/complexity.py configs/retinanet_pvt-t-dtn_fpn_1x_coco.py --size 224 224 --out "$TMP/complexity"
+$PY tools/analysis/complexity.py configs/pvt/retinanet_pvt-t-dtn_fpn_1x_coco.py --size 224 224 --out "$TMP/complexity"
 $PY tools/analysis/token_magnitude.py $CONFIG $CKPT "${IMAGES[@]}" --out "$TMP/magnitude"
 $PY tools/analysis/attention_distance.py $CONFIG $CKPT "${IMAGES[@]}" --out "$TMP/distance"
 $PY tools/analysis/positional_attention.py $CONFIG $CKPT --size 128 128 --out "$TMP/positional"

@@ -12,8 +12,9 @@ a dot per head and layer, like the paper's Fig. 2) to ``--out``.
 
 Example::
 
-    python tools/analysis/attention_distance.py configs/retinanet_pvt-t-dtn_fpn_1x_coco.py \\
-        ckpt.pth --images my_images/ --compare configs/retinanet_pvt-t-ln_fpn_1x_coco.py ln_ckpt.pth
+    python tools/analysis/attention_distance.py configs/pvt/retinanet_pvt-t-dtn_fpn_1x_coco.py \\
+        ckpt.pth --images my_images/ \\
+        --compare configs/pvt/retinanet_pvt-t-ln_fpn_1x_coco.py ln_ckpt.pth
 """
 from collections import defaultdict
 

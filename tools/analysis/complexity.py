@@ -5,7 +5,7 @@ its LayerNorm twin, at one input size (batch 1). Everything except DTN is counte
 ``FlopAnalyzer`` (one multiply-add = one FLOP, LayerNorm = 5 per element); every DynamicTokenNorm
 layer is counted by the one DTN formula, ``mmdtn/models/layers/dtn/flops.py``, from the layer's
 channels, heads, token map and pooling size (as ``benchmark_backbones.py``). Column ``DTN``: that
-count, as implemented (P^h applied factorised along W and H); column ``dense P``: the model's total
+count, as implemented (P^h applied factorized along W and H); column ``dense P``: the model's total
 with the paper's dense T x T P^h instead. The LN twin is derived from the config (the stock
 backbone type without the DTN/DPN settings) unless ``--compare`` names one.
 
@@ -16,8 +16,10 @@ RPN proposal of the ``mode='tensor'`` forward, as mmdet's own ``get_flops`` coun
 
 Example (the paper's 224 x 224 and a detection size)::
 
-    python tools/analysis/complexity.py configs/retinanet_pvt-t-dtn_fpn_1x_coco.py --size 224 224
-    python tools/analysis/complexity.py configs/retinanet_pvt-t-dtn_fpn_1x_coco.py --size 800 1344
+    python tools/analysis/complexity.py configs/pvt/retinanet_pvt-t-dtn_fpn_1x_coco.py \\
+        --size 224 224
+    python tools/analysis/complexity.py configs/pvt/retinanet_pvt-t-dtn_fpn_1x_coco.py \\
+        --size 800 1344
 """
 import os.path as osp
 
@@ -109,7 +111,7 @@ def run(argv=None):
                    help='input size (default: 224 224)')
     p.add_argument('--compare', default=None, metavar='CONFIG2',
                    help='LN twin config (default: derived from CONFIG)')
-    p.add_argument('--no-twin', action='store_true', help='analyse CONFIG alone')
+    p.add_argument('--no-twin', action='store_true', help='analyze CONFIG alone')
     args, out = cli.parse(p, argv)
     cfg = load_config(args.config)
     if args.checkpoint:

@@ -4,14 +4,14 @@ lambda near 1 means intra-token (LayerNorm) statistics, near 0 inter-token stati
 CHECKPOINT is a checkpoint file, or a work directory: then every ``*.pth`` in it is read in the
 order of its epoch/iteration number (``epoch_3.pth``, ``iter_2000.pth``) and the trajectory of every
 gate across training is drawn, as in the paper's Fig. 4. Without CHECKPOINT the config's
-initialisation is shown.
+initialization is shown.
 
 Writes ``gates.png`` (layer x head heatmaps of the last checkpoint), ``gates_trajectory.png`` (with
 several checkpoints), ``gates.csv`` and ``gates.json`` to ``--out``. Needs a DTN backbone.
 
 Example::
 
-    python tools/analysis/gates.py configs/retinanet_pvt-t-dtn_fpn_1x_coco.py \\
+    python tools/analysis/gates.py configs/pvt/retinanet_pvt-t-dtn_fpn_1x_coco.py \\
         work_dirs/retinanet_pvt-t-dtn_fpn_1x_coco
 """
 import glob
@@ -25,7 +25,7 @@ from mmdtn.analysis.models import norm_labels, require_dtn
 from mmdtn.analysis.plotting import plt, save
 
 CHECKPOINTS_HELP = ('checkpoint (.pth) or work directory of checkpoints; without it the '
-                    'initialisation is shown')
+                    'initialization is shown')
 
 
 def checkpoints_of(path):

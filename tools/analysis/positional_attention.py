@@ -4,8 +4,8 @@ P^h = softmax(R a^h) weighs the (pooled) tokens from which DTN takes its inter-t
 For one token of the pooled grid (default: the centre cell; ``--token ROW COL``) its row of P^h is
 drawn as an image of the grid, for every head of every DTN layer, at the token maps of an input of
 ``--size`` (default 224 x 224). The chosen token is outlined in yellow, the row's maximum in red.
-With the paper's initialisation (Eq. 7) each head peaks at a different neighbour.
-With a checkpoint, the rows are drawn at initialisation ("before": the config's freshly built
+With the paper's initialization (Eq. 7) each head peaks at a different neighbour.
+With a checkpoint, the rows are drawn at initialization ("before": the config's freshly built
 backbone) and from the checkpoint ("after"), as in Fig. 8.
 
 Writes ``positional_attention_<before|after>.png``, ``positional_attention.json`` (per layer and
@@ -14,7 +14,7 @@ head: pooled grid, token, row sum, peak offset (d_row, d_col), peak weight, a^h)
 
 Example::
 
-    python tools/analysis/positional_attention.py configs/retinanet_pvt-t-dtn_fpn_1x_coco.py \\
+    python tools/analysis/positional_attention.py configs/pvt/retinanet_pvt-t-dtn_fpn_1x_coco.py \\
         ckpt.pth
 """
 import os.path as osp
@@ -84,7 +84,7 @@ def plot(stage, layers, path):
 
 def run(argv=None):
     p = cli.parser('positional_attention', __doc__,
-                   checkpoint_help='checkpoint (.pth); without it only the initialisation is shown')
+                   checkpoint_help='checkpoint (.pth); without it only the initialization is shown')
     p.add_argument('--size', type=int, nargs=2, metavar=('H', 'W'), default=(224, 224),
                    help='input size that sets the token maps (default: 224 224)')
     p.add_argument('--token', type=int, nargs=2, metavar=('ROW', 'COL'), default=None,

@@ -14,8 +14,8 @@ maps, keys ``model/layer/before|after``) to ``--out``.
 
 Example (LN vs DTN side by side)::
 
-    python tools/analysis/token_magnitude.py configs/retinanet_pvt-t-dtn_fpn_1x_coco.py dtn.pth \\
-        --images photo.jpg --compare configs/retinanet_pvt-t-ln_fpn_1x_coco.py ln.pth
+    python tools/analysis/token_magnitude.py configs/pvt/retinanet_pvt-t-dtn_fpn_1x_coco.py \\
+        dtn.pth --images photo.jpg --compare configs/pvt/retinanet_pvt-t-ln_fpn_1x_coco.py ln.pth
 """
 import os.path as osp
 import textwrap

@@ -1,6 +1,6 @@
 """Variation coefficient |(x - mu) / x| of LN, IN and DTN means at every DTN layer (Fig. 3b).
 
-At every DTN layer, for the tokens x entering it, the mean mu of each normaliser is compared with
+At every DTN layer, for the tokens x entering it, the mean mu of each normalizer is compared with
 x: LN (each token's mean over its channels, Eq. 2), IN (each channel's mean over all tokens of the
 image, Eq. 3), DTN's inter-token part alone (P^h x, Eq. 5) and DTN (the gated mix, Eq. 5), taken
 from the layer's own ``statistics``. The value is the mean of |(x - mu) / x| over all elements with
@@ -12,7 +12,7 @@ Needs a DTN backbone.
 
 Example::
 
-    python tools/analysis/variation_coefficient.py configs/retinanet_pvt-t-dtn_fpn_1x_coco.py \\
+    python tools/analysis/variation_coefficient.py configs/pvt/retinanet_pvt-t-dtn_fpn_1x_coco.py \\
         ckpt.pth --images my_images/
 """
 from collections import defaultdict

@@ -1,6 +1,6 @@
-# Mask R-CNN, PVT-Small with LayerNorm (the stock backbone), COCO: the recipe of the PVT-Tiny
-# config with PVT-Small (configs/README.md).
-_base_ = './mask-rcnn_pvt-t-ln_fpn_1x_coco.py'
+# Semantic FPN, PVT-Small with LayerNorm (the stock backbone), ADE20K: the recipe of the PVT-Tiny
+# config with PVT-Small (README.md of this folder).
+_base_ = './fpn_pvt-t-ln_8xb4-40k_ade20k-512x512.py'
 custom_imports = dict(imports=['mmdtn'], allow_failed_imports=False)
 model = dict(
     backbone=dict(

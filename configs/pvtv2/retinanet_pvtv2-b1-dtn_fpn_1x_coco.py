@@ -1,5 +1,5 @@
 # RetinaNet, PVTv2-b1 with DTN, COCO: its LN twin with DTN in the blocks
-# (settings, recipe and weight decay in configs/README.md).
-_base_ = ['./retinanet_pvtv2-b1-ln_fpn_1x_coco.py', './_base_/dtn_no_decay.py']
+# (recipe: README.md of this folder; DTN settings and weight decay: configs/README.md).
+_base_ = ['./retinanet_pvtv2-b1-ln_fpn_1x_coco.py', '../_base_/dtn_no_decay.py']
 model = dict(backbone=dict(type='PyramidVisionTransformerV2DTN', dtn_init='paper'))
 optim_wrapper = dict(paramwise_cfg=dict(custom_keys={{_base_.dtn_no_decay_keys}}))

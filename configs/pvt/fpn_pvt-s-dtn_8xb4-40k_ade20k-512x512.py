@@ -1,5 +1,5 @@
 # Semantic FPN, PVT-Small with DTN, ADE20K: its LN twin with DTN in the blocks
-# (settings, recipe and weight decay in configs/README.md).
-_base_ = ['./fpn_pvt-s-ln_8xb4-40k_ade20k-512x512.py', './_base_/dtn_no_decay.py']
+# (recipe: README.md of this folder; DTN settings and weight decay: configs/README.md).
+_base_ = ['./fpn_pvt-s-ln_8xb4-40k_ade20k-512x512.py', '../_base_/dtn_no_decay.py']
 model = dict(backbone=dict(type='PyramidVisionTransformerDTN', dtn_init='paper'))
 optim_wrapper = dict(paramwise_cfg=dict(custom_keys={{_base_.dtn_no_decay_keys}}))

@@ -1,4 +1,4 @@
-# RetinaNet, Swin-T with LayerNorm (the stock backbone), COCO: mmdet's config with the optimiser
+# RetinaNet, Swin-T with LayerNorm (the stock backbone), COCO: mmdet's config with the optimizer
 # of mmdet's Swin-T recipe (AdamW lr 1e-4, weight decay 0.05, none on norms and positions).
 _base_ = 'mmdet::swin/retinanet_swin-t-p4-w7_fpn_1x_coco.py'
 custom_imports = dict(imports=['mmdtn'], allow_failed_imports=False)

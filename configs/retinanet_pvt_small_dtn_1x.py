@@ -1,2 +1,0 @@
-# Former name, kept for existing commands and work dirs.
-_base_ = './retinanet_pvt-s-dtn_fpn_1x_coco.py'

@@ -1,2 +1,0 @@
-# Former name, kept for existing commands and work dirs.
-_base_ = './retinanet_swin-t-p4-w7-ln_fpn_1x_coco.py'
