@@ -26,7 +26,7 @@ OPS="${MMDTN_MMCV_OPS:-auto}"
 MIN_FREE_GB="${MMDTN_MIN_FREE_GB:-12}"
 CONSTRAINTS="$ROOT/requirements/constraints.txt"
 STEP=0
-MINUTES_PER_ARCH=35  # building mmcv's CUDA ops for one GPU architecture with MAX_JOBS=2 (README)
+MINUTES_PER_ARCH=35  # building mmcv's CUDA ops for one GPU architecture with MAX_JOBS=2 (docs/get_started.md)
 
 step() { STEP=$((STEP + 1)); printf '\n[setup %d/7] %s\n' "$STEP" "$*"; }
 die() { printf '\nsetup failed: %s\n' "$*" >&2; exit 1; }
