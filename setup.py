@@ -43,7 +43,7 @@ def cpu_kernels():
         return {}
     from torch.utils.cpp_extension import BuildExtension, CppExtension
     linux = sys.platform.startswith('linux')
-    # -fno-math-errno lets sqrt vectorise. The kernels are built for the baseline instruction set
+    # -fno-math-errno lets sqrt vectorize. The kernels are built for the baseline instruction set
     # and for AVX-512 (chosen at run time); tuning for a modern x86-64 core, which changes no
     # instruction set, makes the AVX-512 kernels twice as fast as GCC's generic tuning does.
     flags = ['-O3', '-fno-math-errno'] + (['-fopenmp'] if linux else [])

@@ -1,4 +1,4 @@
-"""The analysis tools (tools/analysis/) on tiny randomly initialised PVT/Swin backbones.
+"""The analysis tools (tools/analysis/) on tiny randomly initialized PVT/Swin backbones.
 
 Each tool runs end to end and writes its files; the numbers obey facts that can be checked exactly:
 recomputed attention reproduces the modules' outputs, uniform attention has the analytic mean
@@ -192,7 +192,7 @@ def test_attention_distance_tool_writes_csv_and_plot(files, tmp_path):
 # ----------------------------------------------------------------- token magnitude
 def test_token_magnitude_of_ln_equivalent_dtn_equals_ln(files, tmp_path):
     """The LN checkpoint loaded into a DTN backbone with dtn_init='layernorm': same maps as LN."""
-    with pytest.warns(UserWarning, match='keep the configured initialisation'):
+    with pytest.warns(UserWarning, match='keep the configured initialization'):
         result = tool('token_magnitude').run([
             files['pvt_dtn_lninit'], files['ln_ckpt'], '--images', files['images'], '--out',
             str(tmp_path), '--compare', files['pvt_ln'], files['ln_ckpt']])

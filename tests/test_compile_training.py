@@ -3,9 +3,9 @@
 The end-to-end test uses dynamo's ``aot_eager`` backend: it traces forward and backward through
 AOTAutograd (the DTN custom ops' fake implementations and registered autograd included) as
 ``inductor`` does, without generating and building C++ kernels. With ``compile=True``
-(``inductor``) the same run also trains, but its first iteration took 9 minutes on 2 shared cores
-(the second 17 s). Even with ``aot_eager`` dynamo needs about a minute for the forward and the
-losses and another for the AdamW step over the config's per-parameter groups. To pay that once,
+(``inductor``) the same run also trains, but its first iteration compiles for several minutes on a
+2-core CPU. Even with ``aot_eager`` dynamo needs about a minute for the forward and the losses and
+another for the AdamW step over the config's per-parameter groups. To pay that once,
 the data are one 64 x 64 image with one object, so that the second iteration meets the shapes of
 the first, and the learning rate is constant: a scheduler changing it recompiles the optimizer
 step at every iteration (dynamo guards on each group's float ``lr``).

@@ -84,7 +84,7 @@ def test_generator_writes_valid_coco_with_masks_matching_boxes(tmp_path):
             mask = coco.annToMask(ann)
             ys, xs = np.nonzero(mask)
             x, y, w, h = ann['bbox']
-            # the rasterised mask lies within its box (pixel tolerance) and fills a fair part of it
+            # the rasterized mask lies within its box (pixel tolerance) and fills a fair part of it
             assert xs.min() >= x - 1 and xs.max() <= x + w + 1
             assert ys.min() >= y - 1 and ys.max() <= y + h + 1
             assert abs(mask.sum() - ann['area']) <= 0.25 * ann['area'] + 20
@@ -172,7 +172,7 @@ def test_classifier_checkpoint_starts_the_demo_detector(tmp_path):
     """The demo's pretraining config (through tools/demo.py's settings) on the generated crops,
     saved as mmengine saves it, then loaded by the demo detector as tools/demo.py configures it:
     every backbone tensor is the classifier's (DTN's gates and positional coefficients, perturbed
-    here so that an initialisation cannot pass for them), PVT's position embeddings resampled
+    here so that an initialization cannot pass for them), PVT's position embeddings resampled
     from the crops' grid by timm's function; on the crops' grid the backbone computes the
     classifier backbone's features."""
     from mmdet.registry import MODELS as DET_MODELS

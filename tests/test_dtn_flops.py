@@ -123,7 +123,7 @@ def factorised_dtn(x, hw_shape, norm):
 def _layer(channels, heads, pool_size):
     torch.manual_seed(0)
     norm = DynamicTokenNorm(channels, heads, pool_size=pool_size).double()
-    with torch.no_grad():  # away from the initialisation: gates and positions of their own
+    with torch.no_grad():  # away from the initialization: gates and positions of their own
         norm.mean_gate.normal_()
         norm.var_gate.normal_()
         norm.pos_coef.add_(0.3 * torch.randn_like(norm.pos_coef))

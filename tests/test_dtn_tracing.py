@@ -29,7 +29,7 @@ def forward_backward(module, x, hw):
 def test_compile_fullgraph_equals_eager_on_two_resolutions(dtn_backend, pool):
     """One graph for forward and backward (no break inside the layer), a second resolution without
     an error, and the eager results. aot_eager traces exactly what inductor would compile (dynamo,
-    the custom ops' fake implementations and registered autograd, functionalisation) without the
+    the custom ops' fake implementations and registered autograd, functionalization) without the
     minutes of C++ code generation on a CPU."""
     torch._dynamo.reset()
     norm = randomize(DynamicTokenNorm(32, 2, pool_size=pool))  # 16 channels per head: fused path

@@ -104,7 +104,7 @@ def test_negligible_positional_weights_are_exact_zeros():
     assert torch.allclose(P32[kept], ref[kept], rtol=1e-6, atol=0)
     limit = (2.0**-49 * 1.01) * ref.amax(-1, keepdim=True).expand_as(ref)
     assert (ref[~kept] <= limit[~kept]).all()
-    # the paper's initialisation, logits -(k - D)^2: 11 weights per row in float32, 15 in float64
+    # the paper's initialization, logits -(k - D)^2: 11 weights per row in float32, 15 in float64
     fresh = DynamicTokenNorm(8, 4)
     for dtype, kept in [(torch.float32, 11), (torch.float64, 15)]:
         p_y, p_x = fresh.to(dtype).axis_matrices((40, 60))
@@ -155,7 +155,7 @@ def local_instance_norm(x, hw, window, weight, bias, eps):
 
 @pytest.mark.parametrize('hw,window', [((1, 11), (1, 2)), ((6, 7), (2, 2))])
 def test_local_instance_norm_with_banded_P(hw, window):
-    """Gates -> -inf and P^h a normalised banded matrix: a local IN (paper Fig. 5).
+    """Gates -> -inf and P^h a normalized banded matrix: a local IN (paper Fig. 5).
 
     a^h = [-L, L, L] gives logits -L (dx^2 - dx) - L (dy^2 - dy), which are 0 for dx, dy in {0, 1}
     and <= -2L elsewhere: for large L, P^h averages the token and its right/lower neighbours."""
@@ -203,7 +203,7 @@ def test_backward_matches_autograd_of_dense_reference():
         assert torch.allclose(a, b, atol=1e-9)
 
 
-# ----------------------------------------------------------------------------- initialisation
+# ----------------------------------------------------------------------------- initialization
 @pytest.mark.parametrize('heads', [1, 2, 3, 4, 5, 8, 9, 16])
 def test_paper_init_peaks_at_distinct_neighbours(heads):
     norm = DynamicTokenNorm(heads * 2, heads)

@@ -1,7 +1,7 @@
 """Loading LN checkpoints (mmdet, official, timm formats) into the DTN backbones.
 
 The LN-parity tests are the proof that the loading and the norm placement are right: a DTN backbone
-with LN-equivalent initialisation, loaded from an LN checkpoint, computes what mmdet's stock
+with LN-equivalent initialization, loaded from an LN checkpoint, computes what mmdet's stock
 backbone loaded from the same checkpoint computes.
 """
 import logging

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.usefixtures('dtn_backend')
 def reference_forward(x, sd, heads, side, pool, eps):
     """The reference code's forward as described: square side x side grid, pooling by ``pool``.
 
-    Group-RMS pre-normalisation, unbiased LN variance, inter-token second moment from the square of
+    Group-RMS pre-normalization, unbiased LN variance, inter-token second moment from the square of
     the pooled x, positional logits pos_proj([dx, dy, dx^2 + dy^2]) with dx, dy = output - source
     and a softmax over source cells."""
     B, T, C = x.shape

@@ -7,7 +7,7 @@ variation coefficient (Fig. 3b), gates (Fig. 4), positional attention P^h (Figs.
 
 * :mod:`.models`: build a backbone or a whole model from a config, load and check a checkpoint,
   find DTN layers and transformer blocks;
-* :mod:`.images`: images from a folder (or synthetic ones), normalised as the config says;
+* :mod:`.images`: images from a folder (or synthetic ones), normalized as the config says;
 * :mod:`.capture`: forward hooks that record block-norm inputs/outputs and attention inputs;
 * :mod:`.attention`: attention weights recomputed from the modules' own parameters, with the query
   and key positions, and the mean attention distance;

@@ -19,18 +19,18 @@ __all__ = ['IMAGES_HELP', 'parser', 'add_images_args', 'add_compare_arg', 'model
            'torch_device', 'load_backbone', 'images_of', 'progress', 'write_csv', 'write_json',
            'write_results', 'main']
 
-IMAGES_HELP = ('folder of images (or one image file) to analyse; without it two deterministic '
+IMAGES_HELP = ('folder of images (or one image file) to analyze; without it two deterministic '
                'synthetic images are generated, enough to try the tool but not for conclusions')
 
 
 def parser(tool, description, checkpoint_help='checkpoint (.pth) of the model, a whole detector/'
-           'segmentor or its backbone; without it the backbone is randomly initialised',
+           'segmentor or its backbone; without it the backbone is randomly initialized',
            images=False, compare=False):
     """The common arguments; ``images``/``compare`` add :func:`add_images_args` and
     :func:`add_compare_arg`."""
     p = argparse.ArgumentParser(description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('config', help='mmdet/mmseg config whose model.backbone is analysed')
+    p.add_argument('config', help='mmdet/mmseg config whose model.backbone is analyzed')
     p.add_argument('checkpoint', nargs='?', default=None, help=checkpoint_help)
     p.add_argument('--out', default=osp.join('work_dirs', 'analysis', tool),
                    help='output folder for the figures (PNG) and numbers (CSV/JSON) '
@@ -39,7 +39,7 @@ def parser(tool, description, checkpoint_help='checkpoint (.pth) of the model, a
                    help='torch device, e.g. cpu or cuda:0 (default: cpu)')
     p.add_argument('--pretrained', action='store_true',
                    help="start from the backbone's init_cfg (e.g. the config's ImageNet "
-                        'checkpoint) instead of a random initialisation; CHECKPOINT, if given, '
+                        'checkpoint) instead of a random initialization; CHECKPOINT, if given, '
                         'is loaded on top')
     if images:
         add_images_args(p)

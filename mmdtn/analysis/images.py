@@ -1,6 +1,6 @@
 """Images for the analyses: a folder (or one file) of photographs, or synthetic images.
 
-Each image becomes a (1, 3, H, W) float tensor normalised with the config's
+Each image becomes a (1, 3, H, W) float tensor normalized with the config's
 ``model.data_preprocessor`` mean and std (ImageNet's when the config has none), in the channel order
 the model was trained with.
 """
@@ -57,7 +57,7 @@ def _resize(img, size, max_side):
 
 
 def to_tensor(img, cfg, size=None, max_side=None):
-    """PIL image -> normalised (1, 3, H, W) float tensor (optionally resized)."""
+    """PIL image -> normalized (1, 3, H, W) float tensor (optionally resized)."""
     mean, std, to_bgr = normalisation(cfg)
     arr = np.asarray(_resize(img.convert('RGB'), size, max_side), dtype=np.float32)
     if to_bgr:
@@ -91,7 +91,7 @@ def synthetic_images(num=2, size=(224, 224), seed=0):
 class ImageSet:
     """The images at ``path`` (a folder or one file), read lazily; synthetic ones if it is None.
 
-    Iterating yields ``(name, tensor)`` with a normalised (1, 3, H, W) tensor. ``size=(H, W)``
+    Iterating yields ``(name, tensor)`` with a normalized (1, 3, H, W) tensor. ``size=(H, W)``
     resizes every image to that size; otherwise images keep their aspect ratio and are shrunk so
     that their longer side is at most ``max_side`` (None: original size).
     """

@@ -39,7 +39,7 @@ def _model_cfg(cfg, config_path='config'):
 def build_backbone(cfg, device='cpu', config_path='config', pretrained=False):
     """Build ``cfg.model.backbone`` in eval mode on ``device``.
 
-    By default it is randomly initialised as training from scratch starts: ``init_cfg`` (pretrained
+    By default it is randomly initialized as training from scratch starts: ``init_cfg`` (pretrained
     weights) is dropped, weights come from the checkpoint given to the tool. ``pretrained=True``
     keeps ``init_cfg``, so that ``init_weights`` loads e.g. the config's ImageNet checkpoint.
     """
@@ -47,7 +47,7 @@ def build_backbone(cfg, device='cpu', config_path='config', pretrained=False):
     model_cfg = _model_cfg(cfg, config_path)
     backbone_cfg = model_cfg.get('backbone', None)
     if backbone_cfg is None:
-        raise ValueError(f'{config_path} has no `model.backbone` entry to analyse')
+        raise ValueError(f'{config_path} has no `model.backbone` entry to analyze')
     backbone_cfg = copy.deepcopy(backbone_cfg)
     if not pretrained:
         backbone_cfg.pop('init_cfg', None)
@@ -97,7 +97,7 @@ def load_weights(model, checkpoint_path, config_path='config'):
     it is read and loaded by the backbones' own reader in its strict mode
     (:func:`~mmdtn.models.backbones.pretrained.load_state_dict_checked`): unexpected keys,
     missing keys and shape mismatches raise :class:`ValueError` naming them, except DTN-only
-    parameters missing from an LN checkpoint, which keep their configured initialisation, with a
+    parameters missing from an LN checkpoint, which keep their configured initialization, with a
     warning. Returns the :class:`~mmdtn.models.backbones.pretrained.LoadReport`.
     """
     from mmdtn.models.backbones.pretrained import load_state_dict_checked, read_state_dict
@@ -110,7 +110,7 @@ def load_weights(model, checkpoint_path, config_path='config'):
     if report.dtn_initialised:
         warnings.warn(f'{checkpoint_path} has no DTN gates/positional coefficients for '
                       f'{len(report.dtn_initialised)} key(s) (e.g. {report.dtn_initialised[0]}); '
-                      f'they keep the configured initialisation')
+                      f'they keep the configured initialization')
     return report
 
 

@@ -9,7 +9,7 @@ DistributedDataParallel with ``device_ids=[LOCAL_RANK]``. Both fail on a CPU-onl
 1. it creates the default process group itself, with ``gloo``, from the launcher's environment
    (``torchrun``: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; slurm: SLURM_PROCID, SLURM_NTASKS,
    SLURM_LOCALID, SLURM_NODELIST, as mmengine derives them); the Runner's ``setup_env`` then sees an
-   initialised group and skips ``init_dist``;
+   initialized group and skips ``init_dist``;
 2. it sets ``model_wrapper_cfg`` to :class:`CPUDistributedDataParallel`, mmengine's
    ``MMDistributedDataParallel`` without device ids and with SyncBN layers reverted to BatchNorm
    (SyncBatchNorm has no CPU implementation; batch statistics stay per process).
@@ -23,7 +23,7 @@ and a worker releases the tensors of a finished collective only after the caller
 Releasing a tensor Python also holds takes the GIL, and a thread that takes the GIL once the
 interpreter is finalizing is ended by ``pthread_exit`` inside that destructor: the process aborts
 (SIGABRT, "terminate called without an active exception") after it finished its work, failing the
-whole launch (measured: 2 of 40 two-process runs on a busy 2-core machine; the core dump shows
+whole launch (rarely, and more often on a busy machine; such a core dump shows
 ``~AsyncBroadcastWork`` in a gloo worker while the main thread is in ``Py_FinalizeEx``). The tools
 therefore end with :func:`exit_process`, which after a gloo group runs the exit functions and
 leaves without the finalization, as :mod:`multiprocessing` ends its child processes.

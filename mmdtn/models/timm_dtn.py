@@ -51,7 +51,7 @@ def _swin_grid(args, kwargs):
 
 
 class _DTNWeightDecay:
-    """``no_weight_decay()`` with DTN's gates and positional coefficients (timm's optimiser factory
+    """``no_weight_decay()`` with DTN's gates and positional coefficients (timm's optimizer factory
     does not decay the parameters it names; DTN's 1-d ones it already spares)."""
 
     def no_weight_decay(self):

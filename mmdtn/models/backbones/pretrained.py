@@ -18,7 +18,7 @@ DTN layers saved by the authors' reference code (``mean_norm_weight``, ``var_nor
 
 The block LayerNorms' ``weight``/``bias`` load into DTN's ``weight``/``bias`` (same names). DTN-only
 parameters (``mean_gate``, ``var_gate``, ``pos_coef``) and a Dual PatchNorm patch LayerNorm absent
-from the checkpoint keep their configured initialisation; this is logged, as is every other key
+from the checkpoint keep their configured initialization; this is logged, as is every other key
 that was not loaded or not used. A classifier's head (``head.*``) is dropped and reported. An
 absolute position embedding of another grid (PVT v1's ``pos_embed``, Swin's ``absolute_pos_embed``)
 is resampled to the model's grid, as timm does, and reported. Any other shape mismatch raises
@@ -305,7 +305,7 @@ def load_state_dict_checked(model: nn.Module, state_dict: Mapping, logger=None,
     """Load ``state_dict`` (mmdet names) into ``model`` and report every key.
 
     DTN-only parameters (:data:`~mmdtn.models.layers.DTN_ONLY_PARAMETERS`) missing from the
-    checkpoint keep their configured initialisation, and buffers the model derives from its
+    checkpoint keep their configured initialization, and buffers the model derives from its
     configuration need not be there. The report goes to ``logger`` (``'silent'``: nowhere).
 
     Args:
@@ -367,14 +367,14 @@ def load_state_dict_checked(model: nn.Module, state_dict: Mapping, logger=None,
                   ', '.join(report.dtn_initialised), logger=logger)
     if report.dpn_initialised:
         print_log(f'{name}: the checkpoint has no Dual PatchNorm patch LayerNorm; freshly '
-                  'initialised (weight 1, bias 0): ' + ', '.join(report.dpn_initialised),
+                  'initialized (weight 1, bias 0): ' + ', '.join(report.dpn_initialised),
                   logger=logger, level=30)
     if report.derived:
         print_log(f'{name}: {len(report.derived)} buffers not in the checkpoint are derived from '
                   'the configuration: ' + ', '.join(report.derived), logger=logger)
     if report.missing:
         print_log(f'{name}: {len(report.missing)} model tensors not in the checkpoint (left at '
-                  'their initialisation): ' + ', '.join(report.missing), logger=logger, level=30)
+                  'their initialization): ' + ', '.join(report.missing), logger=logger, level=30)
     if report.unused:
         print_log(f'{name}: {len(report.unused)} checkpoint tensors not used: ' +
                   ', '.join(report.unused), logger=logger, level=30)

@@ -1,11 +1,11 @@
 """Dual PatchNorm (Kumar et al., 2023): LayerNorm before and after the patch projection.
 
-Dual PatchNorm (DPN) normalises every flattened input patch (``kh * kw * in_channels`` values)
+Dual PatchNorm (DPN) normalizes every flattened input patch (``kh * kw * in_channels`` values)
 with a LayerNorm before the patch-embedding projection and keeps the LayerNorm after it. ViT's
 patches do not overlap, so they can simply be cut out; PVTv2's stage-1 projection is a 7x7 conv
 with stride 4 and padding 3, whose receptive fields overlap and include zero padding. The patch
-LayerNorm here normalises each receptive field *exactly as the convolution sees it* (padding zeros
-included) without materialising the unfolded patches, which would be ``kh * kw / stride^2`` (~3x for
+LayerNorm here normalizes each receptive field *exactly as the convolution sees it* (padding zeros
+included) without materializing the unfolded patches, which would be ``kh * kw / stride^2`` (~3x for
 PVTv2) times the input.
 
 For a patch ``v`` (D values) with mean ``mu`` and variance ``var``, LayerNorm weight ``g`` and bias
@@ -30,7 +30,7 @@ __all__ = ['PatchNormConv2d', 'add_dual_patchnorm']
 
 
 class PatchNormConv2d(nn.Conv2d):
-    """A ``Conv2d`` that layer-normalises each of its input patches before projecting it.
+    """A ``Conv2d`` that layer-normalizes each of its input patches before projecting it.
 
     Equivalent to unfolding the (zero-padded) input into patches of ``in_channels * kh * kw``
     values, applying ``nn.LayerNorm`` to every patch and multiplying by the flattened convolution
@@ -105,7 +105,7 @@ class PatchNormConv2d(nn.Conv2d):
         x = x - x.detach().mean((1, 2, 3), keepdim=True)
         y = F.conv2d(x, weight, None, self.stride, 0, self.dilation)
 
-        # Patch statistics and the normalisation in (at least) float32, also under autocast.
+        # Patch statistics and the normalization in (at least) float32, also under autocast.
         dtype = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(device_type=x.device.type, enabled=False):
             mean, var = self._patch_moments(x.to(dtype))
@@ -122,7 +122,7 @@ def add_dual_patchnorm(patch_embed: nn.Module, patch_norm_eps: Optional[float] =
     """Turn an mmdet ``PatchEmbed`` into a Dual PatchNorm embedding, in place.
 
     Replaces ``patch_embed.projection`` (an ``nn.Conv2d``) by a :class:`PatchNormConv2d` with the
-    same geometry and parameters, so the stock ``PatchEmbed.forward`` now normalises every patch
+    same geometry and parameters, so the stock ``PatchEmbed.forward`` now normalizes every patch
     before projecting it; the LayerNorm after the projection (``patch_embed.norm``) is kept.
 
     Args:

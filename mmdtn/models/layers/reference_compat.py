@@ -24,7 +24,7 @@ __all__ = [
     'convert_reference_state_dict', 'REFERENCE_ONLY_VAR_MEAN_GATE', 'REFERENCE_EPS'
 ]
 
-#: eps of the reference code's DTN layers (in the group-RMS pre-normalisation and the variance).
+#: eps of the reference code's DTN layers (in the group-RMS pre-normalization and the variance).
 #: The backbones' ``dtn_reference_compat=True`` builds their DTN layers with it, whatever the eps of
 #: the LayerNorms they replace.
 REFERENCE_EPS = 1e-5
