@@ -377,6 +377,7 @@ def selection(only=None):
 
 def prepare(scratch, dry_run=False, only=None):
     """Generate the shapes and write one config a detector; returns (and writes) the plan."""
+    started = time.time()
     settings = settings_of(dry_run)
     os.makedirs(scratch, exist_ok=True)
     pairs, names = selection(only)
@@ -403,7 +404,8 @@ def prepare(scratch, dry_run=False, only=None):
                                         settings, batches))
         del c['train_pipeline'], c['test_pipeline']
     plan = dict(settings=settings, configs=configs, data=data['root'], num_train=spec.num_train,
-                pairs=[[stem(d), stem(n), g] for d, n, g in pairs])
+                pairs=[[stem(d), stem(n), g] for d, n, g in pairs],
+                prepare_s=round(time.time() - started, 1))
     with open(osp.join(scratch, 'plan.json'), 'w') as f:
         json.dump(plan, f, indent=1)
     return plan
@@ -754,7 +756,7 @@ def _ratio(a, b, goal=None):
     r = a / b
     if goal is None:
         return f'{r:.2f}'
-    return f"{r:.2f} ({'meets' if r <= goal else 'misses'} <= {goal:.2f})"
+    return f"{r:.2f} ({'meets' if round(r, 2) <= goal else 'misses'} <= {goal:.2f})"
 
 
 def _span(first, last):
@@ -779,9 +781,9 @@ def pair_table(results, dtn, ln, goal, settings):
     shared = f', {jobs} runs sharing the device' if jobs > 1 else ''
     rows = []
 
-    def metric_row(label, run, key, fmt, goal=None):
+    def metric_row(label, run, key, fmt, goal=None, ratio=True):
         a, b = d.get(run, {}).get(key), n.get(run, {}).get(key)
-        rows.append((label, _cell(a, fmt), _cell(b, fmt), _ratio(a, b, goal)))
+        rows.append((label, _cell(a, fmt), _cell(b, fmt), _ratio(a, b, goal) if ratio else ''))
 
     w, i = settings['warmup'], settings['iters']
     cw, ci = settings['cp_warmup'], settings['cp_iters']
@@ -810,7 +812,7 @@ def pair_table(results, dtn, ln, goal, settings):
         k in cfgs.get(name, {}).get('metrics', ['bbox']) or f'{k}_mAP' in cfgs.get(name, {}).get(
             'test', {}) for name in (dtn, ln))]
     for kind in kinds:
-        metric_row(f'{kind} mAP (coco/{kind}_mAP)', 'test', f'{kind}_mAP', '{:.3f}')
+        metric_row(f'{kind} mAP (coco/{kind}_mAP)', 'test', f'{kind}_mAP', '{:.3f}', ratio=False)
 
     def failures(c):
         if not c:
@@ -865,6 +867,9 @@ def report(results, plan):
     route = meta.get('setup', {}).get('mmcv_route')
     if route:
         times.append(f'mmcv: {route}')
+    if plan.get('prepare_s') is not None:
+        times.append(f"data and configs {plan['prepare_s']} s"
+                     + (' (beside the mmcv step)' if meta.get('setup') else ''))
     if meta.get('runs_s') is not None:
         times.append(f"training and evaluation {meta['runs_s']} s")
     if times:
@@ -960,8 +965,8 @@ def main(argv=None):
         print(f'{len(files)} wheels installed into {args.site}')
     elif args.command == 'prepare':
         plan = prepare(args.scratch, args.dry_run, args.only)
-        print(f"{len(plan['configs'])} configs, {plan['num_train']} training images in "
-              f"{plan['data']}")
+        print(f"prepared in {plan['prepare_s']} s: {len(plan['configs'])} configs, "
+              f"{plan['num_train']} training images in {plan['data']}")
     elif args.command == 'run':
         results = run(args.scratch, args.out, args.dry_run, args.deadline, args.jobs, args.only,
                       args.cfg_options)

@@ -102,19 +102,34 @@ export PATH="$SITE/bin:$PATH"  # ninja, for torch's extension build
 WHEELS_S=$(($(date +%s) - t0))
 say "wheels installed in ${WHEELS_S} s"
 
-# 3. mmcv with CUDA ops: a wheel brought along, or built here (in the background), while the
-#    data and configs are prepared.
+# 3. The data and configs, and mmcv with CUDA ops (a wheel brought along, or built here): both
+#    in the background, each in its own process group (stopped with the script).
+SETSID=$(command -v setsid || true)
+BUILD_PID=
+PREPARE_PID=
+stop_background() {
+  local pid
+  for pid in $BUILD_PID $PREPARE_PID; do
+    kill -0 "$pid" 2> /dev/null && { kill -TERM -- "-$pid" 2> /dev/null || kill -TERM "$pid"; }
+  done
+}
+trap stop_background EXIT
+$SETSID "$PYTHON" "$DRIVER" prepare --scratch "$SCRATCH" "${ARGS[@]}" > "$OUT/prepare.log" 2>&1 &
+PREPARE_PID=$!
+
 ARCH_KEY=$(source "$ROOT/tools/setup_env.sh" && arch_key "$ARCH") || die "tools/setup_env.sh's arch_key"
 MMCV_VER=$(sed -n 's/^mmcv==\([0-9.]*\).*/\1/p' "$ROOT/requirements/gpu_e2e_wheels.txt")
 KEY="mmcv-$MMCV_VER-torch$TORCH_VER-cu${CUDA_VER/./}-$ARCH_KEY"
-if "$PYTHON" -c 'import pip' 2> /dev/null; then
-  PIP=("$PYTHON" -m pip --disable-pip-version-check)
-else
-  PIP=("$PYTHON" "$(ls "$WHEELS"/pip-*.whl | head -n 1)/pip" --disable-pip-version-check)
-fi
+PIP_WHEEL=$(ls "$WHEELS"/pip-*.whl 2> /dev/null | head -n 1)
+pip_run() {  # the Python's pip, or pip from its wheel where it has none
+  if "$PYTHON" -c 'import pip' 2> /dev/null; then
+    "$PYTHON" -m pip --disable-pip-version-check "$@"
+  else
+    "$PYTHON" "$PIP_WHEEL/pip" --disable-pip-version-check "$@"
+  fi
+}
 MMCV_WHEEL=${MMCV_WHEEL:-$(ls "$WHEELS/$KEY"/mmcv-*.whl 2> /dev/null | head -n 1)}
 t0=$(date +%s)
-BUILD_PID=
 if [ -n "$MMCV_WHEEL" ]; then
   MMCV_ROUTE="wheel brought along ($(basename "$MMCV_WHEEL"))"
 else
@@ -122,7 +137,6 @@ else
   [ -f "$SDIST" ] || die "neither a wheel in $WHEELS/$KEY/ nor the sdist $SDIST"
   CUDA_HOME=${CUDA_HOME:-$("$PYTHON" -c 'from torch.utils.cpp_extension import CUDA_HOME; print(CUDA_HOME or "")')}
   [ -x "$CUDA_HOME/bin/nvcc" ] || die "no CUDA toolkit (nvcc) found; set CUDA_HOME"
-  export CUDA_HOME
   JOBS=${MAX_JOBS:-$(nproc)}
   MMCV_ROUTE="built here from the sdist (MAX_JOBS=$JOBS, TORCH_CUDA_ARCH_LIST=$ARCH, $("$CUDA_HOME/bin/nvcc" --version | sed -n 's/.*\(release [0-9.]*\).*/nvcc \1/p'))"
   BUILD="$SCRATCH/mmcv_build"
@@ -149,25 +163,18 @@ else
       echo "warning: torch's headers did not preprocess with $CUDA_HOME (above); building anyway"
     fi
     MMCV_WITH_OPS=1 FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS="$JOBS" \
-      "${PIP[@]}" wheel -v --no-build-isolation --no-deps --no-index -w "$BUILD/dist" "$src"
+      pip_run wheel -v --no-build-isolation --no-deps --no-index -w "$BUILD/dist" "$src"
   }
+  export -f build_mmcv pip_run
+  export BUILD SDIST MMCV_VER PYTHON CUDA_HOME ARCH JOBS ROOT PIP_WHEEL
   say "building mmcv $MMCV_VER: $MMCV_ROUTE (log: $OUT/mmcv_build.log)"
-  build_mmcv > "$OUT/mmcv_build.log" 2>&1 &
+  $SETSID bash -c build_mmcv > "$OUT/mmcv_build.log" 2>&1 &
   BUILD_PID=$!
-fi
-
-t1=$(date +%s)
-"$PYTHON" "$DRIVER" prepare --scratch "$SCRATCH" "${ARGS[@]}" > "$OUT/prepare.log" 2>&1
-PREPARE_RC=$?
-PREPARE_S=$(($(date +%s) - t1))
-say "data and configs: exit $PREPARE_RC after ${PREPARE_S} s ($(tail -n 1 "$OUT/prepare.log"))"
-
-if [ -n "$BUILD_PID" ]; then
   next=$(($(date +%s) + 30))
   while kill -0 "$BUILD_PID" 2> /dev/null; do
     sleep 2
     if [ "$(date +%s)" -ge "$next" ]; then
-      units=$(grep -oE '^\s*\[[0-9]+/[0-9]+\]' "$OUT/mmcv_build.log" | tail -n 1)
+      units=$(grep -oE '^\s*\[[0-9]+/[0-9]+\]' "$OUT/mmcv_build.log" | tail -n 1 | tr -d ' ')
       say "mmcv build: ${units:-starting} units compiled"
       next=$((next + 30))
     fi
@@ -178,14 +185,13 @@ if [ -n "$BUILD_PID" ]; then
   fi
   MMCV_WHEEL=$(ls "$BUILD"/dist/mmcv-*.whl | head -n 1)
   # kept for the next run: brought along from $OUT/mmcv_wheel/ into $WHEELS/, it skips the build
-  mkdir -p "$OUT/mmcv_wheel/$KEY" "$WHEELS/$KEY"
-  cp "$MMCV_WHEEL" "$OUT/mmcv_wheel/$KEY/" && cp "$MMCV_WHEEL" "$WHEELS/$KEY/" 2> /dev/null
+  mkdir -p "$OUT/mmcv_wheel/$KEY" && cp "$MMCV_WHEEL" "$OUT/mmcv_wheel/$KEY/"
+  mkdir -p "$WHEELS/$KEY" 2> /dev/null && cp "$MMCV_WHEEL" "$WHEELS/$KEY/" 2> /dev/null
 fi
-"${PIP[@]}" install -q --no-index --no-deps --upgrade --target "$SITE" "$MMCV_WHEEL" \
+pip_run install -q --no-index --no-deps --upgrade --target "$SITE" "$MMCV_WHEEL" \
   > "$OUT/mmcv_install.log" 2>&1 || die "installing $MMCV_WHEEL: $(tail -n 3 "$OUT/mmcv_install.log")"
 MMCV_S=$(($(date +%s) - t0))
 say "mmcv: $MMCV_ROUTE, ready after ${MMCV_S} s"
-[ "$PREPARE_RC" = 0 ] || die "preparing the data and configs: $(tail -n 5 "$OUT/prepare.log")"
 
 # 4. mmcv's CUDA ops of the detectors once on the GPU (a failure is reported, the runs go on).
 t0=$(date +%s)
@@ -193,10 +199,13 @@ t0=$(date +%s)
   || say "mmcv's CUDA ops failed: $(tail -n 1 "$OUT/ops_check.log")"
 OPS_S=$(($(date +%s) - t0))
 
+wait "$PREPARE_PID"
+PREPARE_RC=$?
+say "data and configs: exit $PREPARE_RC ($(tail -n 1 "$OUT/prepare.log"))"
+[ "$PREPARE_RC" = 0 ] || die "preparing the data and configs: $(tail -n 5 "$OUT/prepare.log")"
 SETUP_S=$(($(date +%s) - START))
 cat > "$OUT/setup.json" <<EOF
-{"set-up_s": $SETUP_S, "wheels_s": $WHEELS_S, "mmcv_s": $MMCV_S,
- "data and configs (during the mmcv step)_s": $PREPARE_S, "ops check_s": $OPS_S,
+{"set-up_s": $SETUP_S, "wheels_s": $WHEELS_S, "mmcv_s": $MMCV_S, "ops check_s": $OPS_S,
  "mmcv_route": "$MMCV_ROUTE"}
 EOF
 say "set-up done in ${SETUP_S} s; training and evaluating until $((BUDGET_S)) s"
