@@ -278,18 +278,22 @@ def test_traffic_counter_counts_copies_inside_custom_ops(monkeypatch):
     assert counter.launches == 1 and counter.bytes == 2 * x.numel() * x.element_size()
 
 
-def test_fused_bound_of_the_layer_benchmark():
-    """The bound of a fused DTN: x twice (once without pooling) and y once forward, dL/dy and x
-    twice and dx once backward; with pooling also the float32 cell moments (2 C values per cell),
-    written and read once forward and read twice backward, and dL/dm (2 C float32 values per
-    cell), written and read once."""
+def test_cost_model_of_the_layer_benchmark():
+    """The H200 cost model of benchmark_norm.py: a launch that moves bytes takes them at the
+    passes' share of the bandwidth, a matrix product the longer of its bytes at the products'
+    share and its FLOPs at the float32 rate's share, and each launch a gap."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'tools',
                                     'dev'))
-    from benchmark_norm import fused_bound
-    assert fused_bound(64, 1, torch.float16) == (2 * 128, 5 * 128)
-    assert fused_bound(64, 4, torch.float16) == (3 * 128 + 2 * 32, 5 * 128 + 2 * 32 + 2 * 32)
-    assert fused_bound(64, 4, torch.bfloat16) == fused_bound(64, 4, torch.float16)
-    assert fused_bound(128, 2, torch.float32) == (3 * 512 + 2 * 256, 5 * 512 + 4 * 256)
+    from benchmark_norm import H200, expected_seconds
+    bandwidth, gap = H200['bandwidth'], H200['gap']
+    moved = 10**9
+    assert expected_seconds([('triton.output', moved, 0)]) == pytest.approx(
+        moved / (H200['passes'] * bandwidth) + gap)
+    assert expected_seconds([('torch.bmm', moved, 1)]) == pytest.approx(
+        moved / (H200['products'] * bandwidth) + gap)
+    flops = 10**13
+    assert expected_seconds([('torch.bmm', 1, flops)]) == pytest.approx(
+        flops / (H200['rate'] * H200['fp32']) + gap)
 
 
 def test_layer_benchmark_checks_every_backend_against_the_torch_backend(backend_setting):

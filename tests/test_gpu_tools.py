@@ -143,7 +143,8 @@ def test_gpu_checks_run_their_steps(tmp_path):
     assert all('--device cuda' in c for c in commands[2:])
     assert sorted(os.listdir(tmp_path / 'logs')) == [
         'backbones.log', 'layer.log', 'probe.log', 'tests.log']
-    out, commands = gpu_checks(tmp_path, 'probe')
+    (tmp_path / 'again').mkdir()
+    out, commands = gpu_checks(tmp_path / 'again', 'probe')
     assert out.returncode == 0 and commands == [] and 'GEMM_PROBE is not set' in out.stdout
     helped = subprocess.run(['bash', 'tools/dev/gpu_checks.sh', '--help'], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)

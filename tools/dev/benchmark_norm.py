@@ -35,10 +35,11 @@ Shapes: the stages of PVT-Tiny and of Swin-T for an 800 x 1344 input (B = 2; PVT
    T x T tensors fit ``--dense-limit-gb``.
 4. With ``--tables kernels``, the largest kernels of every layer (CUDA: GPU time; CPU: the
    operations' own CPU time); with ``--tables host``, the host's own time to issue one forward +
-   backward of the Triton backend's layer with the device's work replaced by nothing: on meta
-   tensors, where every PyTorch operation is dispatched, every allocation made and every kernel
-   launch skipped (Triton's launcher itself is not counted), beside ``F.layer_norm``'s time on
-   meta tensors measured the same way, side by side in one run.
+   backward of the Triton backend's layer with the device's work replaced by next to nothing:
+   CPU tensors of each stage's channels on a 2 x 2 grid, every PyTorch operation dispatched and
+   run (on a few values), every Triton launch replaced by a no-op (:func:`host_table`; Triton's
+   launcher itself is not counted: about 10 us a launch on an H200 node), beside
+   ``nn.LayerNorm``'s time measured the same way, side by side in one run.
 
 Usage::
 
@@ -120,8 +121,9 @@ class TrafficCounter(TorchDispatchMode):
             self.allocations += 1
         if (computes and (copies or not func.is_view)
                 and func._opname not in self.ALLOCATIONS):
+            inputs = args, {k: v for k, v in kwargs.items() if k != 'out'}  # out: written only
             moved = sum(t.numel() * t.element_size()
-                        for t in tree_leaves((args, kwargs, out)) if torch.is_tensor(t))
+                        for t in tree_leaves((inputs, out)) if torch.is_tensor(t))
             self.launches += 1
             self.bytes += moved
             self.by_kernel['torch'] += moved
@@ -380,28 +382,33 @@ def model_table(args, counts):
 
 
 def host_table(args, progress):
-    """The host's own time per forward + backward of the Triton layer and of ``F.layer_norm`` on
-    meta tensors (every operation dispatched and allocated, no kernel run; see the module
-    docstring), the median of ``--repeats`` rounds of 20 calls each, in turn."""
-    print(f'\nHost time per forward + backward with the device\'s work replaced by nothing '
-          f'(meta tensors), batch {args.batch}, {args.dtype} tokens, median of {args.repeats} '
-          'rounds of 20 calls, side by side')
+    """The host's own time per forward + backward of the Triton layer and of ``nn.LayerNorm``
+    with the device's work replaced by next to nothing (see the module docstring): the median of
+    ``--repeats`` rounds of 100 calls each, the two in turn."""
+    from unittest import mock
+    from mmdtn.models.layers.dtn.backends.triton import kernels, parameters
+    print(f'\nHost time per forward + backward, device work replaced by next to nothing (CPU '
+          f'tensors on a 2 x 2 grid, Triton launches no-ops), batch {args.batch}, float32 '
+          f'tokens, median of {args.repeats} rounds of 100 calls, side by side')
     head = f"{'stage':<28}{'LN us':>9}{'DTN triton us':>15}{'x LN':>8}"
     print(head + '\n' + '-' * len(head))
-    set_dtn_backend('triton')
-    meta = torch.device('meta')
+    cpu = torch.device('cpu')
     for model, stage, C, H, W, pool, heads in args.stages:
-        modules = layers(C, heads, pool, meta, [('triton', meta)], False, DTYPES[args.dtype])
-        x, grad = inputs(C, H, W, args.batch, meta, DTYPES[args.dtype])
+        modules = layers(C, heads, pool, cpu, [('triton', cpu)], False)
+        x, grad = inputs(C, 2, 2, args.batch, cpu, torch.float32)
         timings = {name: [] for name in ('LN', 'DTN triton')}
-        for it in range(args.warmup + args.repeats):
-            for name in timings:
-                module = modules[name][0]
-                start = time.perf_counter()
-                for _ in range(20):
-                    forward_backward(module, x, (H, W), grad)
-                if it >= args.warmup:
-                    timings[name].append((time.perf_counter() - start) / 20)
+        with mock.patch.dict(os.environ, TRITON_INTERPRET='1'), \
+                mock.patch.object(kernels, 'launch', lambda *args: None), \
+                mock.patch.object(parameters, 'launch', lambda *args: None):
+            for it in range(args.warmup + args.repeats):
+                for name in timings:
+                    module, backend, _ = modules[name]
+                    set_dtn_backend(backend)
+                    start = time.perf_counter()
+                    for _ in range(100):
+                        forward_backward(module, x, (2, 2), grad)
+                    if it >= args.warmup:
+                        timings[name].append((time.perf_counter() - start) / 100)
         ln, dtn = (statistics.median(timings[name]) for name in ('LN', 'DTN triton'))
         print(f'{stage_label(model, stage, C, H, W, pool):<28}{ln * 1e6:>9.0f}{dtn * 1e6:>15.0f}'
               f'{dtn / ln:>7.2f}x')

@@ -222,8 +222,8 @@ def bound(kernel, constexprs, args, arch):
 def check_launches(launches, jobs, arch=90):
     """That every launch of the layers (:func:`layer_launches`) runs a specialization compiled
     here: the signature and attributes that Triton's binder for sm_<arch> gives its arguments are
-    those of :func:`signature` and :func:`attributes` for one of ``jobs`` (:func:`architecture_jobs`)
-    with its kernel, constexprs, warps and dtype.
+    those of :func:`signature` and :func:`attributes` for one of ``jobs``
+    (:func:`architecture_jobs`) with its kernel, constexprs, warps and dtype.
     Returns the keys of ``jobs`` launched; exits naming the first launch that differs."""
     launched = set()
     for launch, dtype in launches:

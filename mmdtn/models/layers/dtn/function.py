@@ -309,7 +309,8 @@ def define_traced_function(backend):
     tracer records.
 
     Returns:
-        callable: ``apply(x, a, b, c, weight, bias, grid, eps, convention) -> y``, with a, b, c the factors P_y, P_x and the ratios (4, C).
+        callable: ``apply(x, a, b, c, weight, bias, grid, eps, convention) -> y``, with a, b, c
+        the factors P_y, P_x and the ratios (4, C).
     """
 
     class TracedDynamicTokenNorm(torch.autograd.Function):
@@ -360,7 +361,8 @@ def define_custom_ops(backend, name):
     eager calls (:func:`watched`) the same passes run in :func:`define_traced_function`'s Function.
 
     Returns:
-        callable: ``apply(x, a, b, c, weight, bias, grid, eps, convention) -> y``, as :func:`define_traced_function`'s.
+        callable: ``apply(x, a, b, c, weight, bias, grid, eps, convention) -> y``, as
+        :func:`define_traced_function`'s.
     """
 
     def run_forward(x: Tensor, a: Tensor, b: Tensor, c: Tensor, weight: Tensor, bias: Tensor,

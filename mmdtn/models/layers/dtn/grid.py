@@ -10,6 +10,7 @@ column-major, (heads, Wp, 2, B, Hp, d), so that P_x^h multiplies all of a head's
 matrix product; the results u = P_x T and m = P_y u are head-major, (heads, 2, B, Hp, Wp, d), where
 P_y^h multiplies all rows of a head at once.
 """
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -20,9 +21,10 @@ __all__ = ['TokenGrid', 'pooled_size']
 
 def pooled_size(hw_shape, pool):
     """(Hp, Wp) = (ceil(H / s), ceil(W / s)), the cell grid of App. B.1 for tokens on ``hw_shape``
-    = (H, W) and pooling size s (ints, or symbolic ints under dynamic shapes)."""
+    = (H, W) and pooling size s (ints, or symbolic ints under dynamic shapes). A floor division of
+    non-negative numbers: the ONNX exporter translates a symbolic // as a truncating division."""
     H, W = hw_shape
-    return -(-H // pool), -(-W // pool)
+    return (H + pool - 1) // pool, (W + pool - 1) // pool
 
 
 @dataclass(frozen=True)
@@ -51,9 +53,13 @@ class TokenGrid:
 
     @classmethod
     def of(cls, x, hw_shape, heads, pool):
-        """The grid of tokens ``x`` (B, N, C) on ``hw_shape`` = (H, W)."""
+        """The grid of tokens ``x`` (B, N, C) on ``hw_shape`` = (H, W): made once per sizes of
+        plain ints (a grid holds numbers only), afresh for symbolic ones."""
         B, _, C = x.shape
-        return cls(B, hw_shape[0], hw_shape[1], C, heads, pool)
+        sizes = (B, hw_shape[0], hw_shape[1], C, heads, pool)
+        if all(type(v) is int for v in sizes):
+            return _cached_grid(*sizes)
+        return cls(*sizes)
 
     # ---------------------------------------------------------------- tokens and cells
     def cell_counts(self, device, dtype):
@@ -121,3 +127,8 @@ class TokenGrid:
     def cells_of(self, t):
         """(B, Hp, Wp, heads, d) -> (B, Hp, Wp, C)."""
         return t.reshape(self.B, self.Hp, self.Wp, self.C)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_grid(*sizes):
+    return TokenGrid(*sizes)

@@ -19,10 +19,10 @@ Every pass takes a tile of cells of one cell row (without pooling a cell is a to
 
 The cell values (T, m and their gradients) are float32 planes laid out for the positional
 products (:mod:`.products`): the strides of a plane come as (image, cell row, cell column, head,
-channel, moment). The centre about which T is taken is the mean of every ``CENTRE_STRIDE``-th token
-(rows of P sum to 1, so the statistics do not depend on it; one near the tokens' values keeps the
-second moment about it free of cancellation). The passes form the inter-token variance from m's raw
-second moment, var_it = m_1 - m_0^2 (Eq. 5).
+channel, moment). The centre about which T is taken is the mean of a sample of the tokens
+(:func:`centre_stride`; rows of P sum to 1, so the statistics do not depend on it; one near the
+tokens' values keeps the second moment about it free of cancellation). The passes form the
+inter-token variance from m's raw second moment, var_it = m_1 - m_0^2 (Eq. 5).
 """
 import torch
 import triton
@@ -39,9 +39,12 @@ ELEMENTS_PER_THREAD = 8
 #: Tokens the token-gradients pass covers per program at least: its sums for the parameters
 #: (4 C float32) are written once per program and read again, an eighth of 16-bit g and x.
 TOKENS_PER_PROGRAM = 32
-#: The centre is the mean of one token in CENTRE_STRIDE: a prime stride walks across the columns
-#: of every token grid whose width it does not divide, rather than down a few of them.
-CENTRE_STRIDE = 17
+#: The centre is the mean of one token in CENTRE_STRIDE where that takes at least CENTRE_SAMPLE
+#: tokens, else of every token: a prime stride walks across the columns of every token grid whose
+#: width it does not divide, rather than down a few of them. The further the centre lies from
+#: the tokens' mean, the more of the gradient of a^h cancels in float32 (the softmax's gradient
+#: takes away the centre's share exactly, rounding and all).
+CENTRE_STRIDE, CENTRE_SAMPLE = 17, 64
 
 #: Pointer arguments of the kernels to tensors of the tokens' dtype; all others are float32.
 TOKEN_POINTERS = ('x_ptr', 'g_ptr', 'y_ptr', 'dx_ptr')
@@ -222,10 +225,14 @@ def _moments_kernel(x_ptr, centre_ptr, t_ptr, H, W, C, d, s_b, s_row, s_col, s_h
     tl.store(t_ptr + s_moment + offsets, second, mask=cell_mask)
 
 
-def sample_centre(x):
-    """The centre of the moments, (B, C) float32: the mean of every CENTRE_STRIDE-th token (a
-    17th of x read)."""
-    return x[:, ::CENTRE_STRIDE].mean(1, dtype=torch.float32)
+def centre_stride(N):
+    """The stride of the tokens whose mean is the centre, on a grid of N tokens."""
+    return CENTRE_STRIDE if N >= CENTRE_STRIDE * CENTRE_SAMPLE else 1
+
+
+def sample_centre(x, stride):
+    """The centre of the moments, (B, C) float32: the mean of every ``stride``-th token."""
+    return x[:, ::stride].mean(1, dtype=torch.float32)
 
 
 def moments(x, centre, T, plan):

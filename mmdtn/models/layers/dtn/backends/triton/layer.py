@@ -56,6 +56,7 @@ class Plan:
         self.pooled = pool > 1
         self.eps = float(eps)
         self.n_var = float(C - 1 if unbiased_ln_var else C)  # Eq. 2's divisor
+        self.centre_stride = kernels.centre_stride(H * W)
         self.strides = plane_strides(B, self.Hp, self.Wp, heads, self.d)
         self.formed, self.plane = saved_numels(B, H, W, C, heads, pool)
         (self.moments, self.output, self.token_gradients,
@@ -99,7 +100,7 @@ def layer_forward(x, pos_coef, mean_gate, var_gate, weight, bias, plan):
     """y, and what backward keeps besides the inputs: the centre (B, C), the buffer of P_y, P_x
     and the ratios, and with pooling the planes T, u, m (an empty tensor without)."""
     f32 = torch.float32
-    centre = kernels.sample_centre(x)
+    centre = kernels.sample_centre(x, plan.centre_stride)
     formed = x.new_empty(plan.formed, dtype=f32)
     p_y, p_x, ratios = parameters.parameters(pos_coef, mean_gate, var_gate, formed, plan)
     planes = x.new_empty(3, plan.plane, dtype=f32)
@@ -155,9 +156,9 @@ class TritonDynamicTokenNorm(torch.autograd.Function):
 
 # ---------------------------------------------------------------------------- the custom ops
 def _run_forward(x: Tensor, pos_coef: Tensor, mean_gate: Tensor, var_gate: Tensor,
-                weight: Tensor, bias: Tensor, H: int, W: int, pool: int, heads: int, eps: float,
-                unbiased_ln_var: bool, square_of_pooled: bool,
-                layernorm: bool) -> list[Tensor]:
+                 weight: Tensor, bias: Tensor, H: int, W: int, pool: int, heads: int, eps: float,
+                 unbiased_ln_var: bool, square_of_pooled: bool,
+                 layernorm: bool) -> list[Tensor]:
     plan = plan_of(x.shape[0], H, W, x.shape[2], heads, pool, eps, unbiased_ln_var,
                    square_of_pooled, layernorm)
     return list(layer_forward(x, pos_coef, mean_gate, var_gate, weight, bias, plan))
@@ -177,9 +178,9 @@ def _(x, pos_coef, mean_gate, var_gate, weight, bias, H, W, pool, heads, *settin
 
 
 def _run_backward(grad: Tensor, x: Tensor, mean_gate: Tensor, var_gate: Tensor, weight: Tensor,
-                 centre: Tensor, formed: Tensor, planes: Tensor, H: int, W: int, pool: int,
-                 heads: int, eps: float, unbiased_ln_var: bool, square_of_pooled: bool,
-                 layernorm: bool) -> list[Tensor]:
+                  centre: Tensor, formed: Tensor, planes: Tensor, H: int, W: int, pool: int,
+                  heads: int, eps: float, unbiased_ln_var: bool, square_of_pooled: bool,
+                  layernorm: bool) -> list[Tensor]:
     plan = plan_of(x.shape[0], H, W, x.shape[2], heads, pool, eps, unbiased_ln_var,
                    square_of_pooled, layernorm)
     return list(layer_backward(grad, x, mean_gate, var_gate, weight, centre, formed, planes,
