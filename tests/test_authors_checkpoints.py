@@ -154,7 +154,7 @@ def test_authors_checkpoint_computes_the_authors_stage_outputs(checkpoint, caplo
     with caplog.at_level(logging.INFO, logger=logger.name):
         report = load_pretrained(backbone, backbone.init_cfg,
                                  backbone.checkpoint_to_mmdet, logger)
-    assert not report.missing and not report.unused and not report.dtn_initialised
+    assert not report.missing and not report.unused and not report.dtn_initialized
     assert report.classifier_head == ['head.weight', 'head.bias']
     assert "converting 12 DTN layers from the reference code's format" in caplog.text
     assert 'dropped the classifier head of the checkpoint: head.weight, head.bias' in caplog.text

@@ -87,7 +87,7 @@ def test_ln_parity_pvt(tmp_path, log):
     report = load_pretrained(dtn, pretrained(path),
                              lambda sd: pvt_checkpoint_to_mmdet(sd, False), log[0])
     assert not report.missing and not report.unused
-    assert len(report.dtn_initialised) == 3 * 2 * 3  # 3 DTN stages x 2 norms x 3 params
+    assert len(report.dtn_initialized) == 3 * 2 * 3  # 3 DTN stages x 2 norms x 3 params
     assert max_output_diff(stock, dtn, torch.randn(2, 3, 65, 97)) <= 1e-4
     # ... and through init_cfg, as a config does it
     dtn2 = PyramidVisionTransformerDTN(**PVT_TINY_1, convert_weights=False, dtn_init='layernorm',
@@ -169,7 +169,7 @@ def test_non_dpn_checkpoint_into_dpn_backbone_is_reported(tmp_path, log):
     model = PyramidVisionTransformerV2DTN(**PVTV2_B0, dual_patchnorm=True)
     report = load_pretrained(model, pretrained(tmp_path / 'b0.pth'),
                              lambda sd: pvt_checkpoint_to_mmdet(sd, True), logger)
-    assert report.dpn_initialised == ['layers.0.0.projection.patch_norm.weight',
+    assert report.dpn_initialized == ['layers.0.0.projection.patch_norm.weight',
                                       'layers.0.0.projection.patch_norm.bias']
     assert not report.missing
     assert torch.equal(model.layers[0][0].projection.patch_norm.weight, torch.ones(147))
@@ -228,8 +228,8 @@ def test_strict_loading_refuses_partial_weights_and_loads_nothing(log):
     del sd['head.weight']
     sd['layers.0.1.1.norm1.bias'] = before['layers.0.1.1.norm1.bias']
     report = load_state_dict_checked(model, sd, log[0], strict=True)
-    assert report.dtn_initialised and all(k.rsplit('.', 1)[1] in DTN_ONLY_PARAMETERS
-                                          for k in report.dtn_initialised)
+    assert report.dtn_initialized and all(k.rsplit('.', 1)[1] in DTN_ONLY_PARAMETERS
+                                          for k in report.dtn_initialized)
 
 
 def test_missing_file_and_bad_init_cfg(tmp_path):
@@ -293,7 +293,7 @@ def test_reference_code_dtn_checkpoint_loads_and_reproduces_the_model(tmp_path, 
                                         dtn_reference_compat=True)
     report = load_pretrained(model, pretrained(path),
                              lambda sd: pvt_checkpoint_to_mmdet(sd, False), log[0])
-    assert not report.missing and not report.unused and not report.dtn_initialised
+    assert not report.missing and not report.unused and not report.dtn_initialized
     assert any("6 DTN layers from the reference code's format" in m for m in log[1])
     assert not any('dtn_reference_compat=True' in m for m in log[1])
     assert max_output_diff(source, model, torch.randn(2, 3, 64, 96)) <= 1e-6

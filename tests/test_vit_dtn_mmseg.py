@@ -109,7 +109,7 @@ def test_timm_route_loads_with_dtn_parameters(tmp_path, caplog):
     report = load(backbone, caplog)
     assert report.classifier_head == ['head.weight', 'head.bias']
     assert report.unused == ['ln1.weight', 'ln1.bias']  # timm's final norm: final_norm=False
-    assert not report.missing and not report.dtn_initialised
+    assert not report.missing and not report.dtn_initialized
     assert torch.equal(backbone.layers[1].ln2.pos_coef, timm_model.blocks[1].norm2.pos_coef)
     img = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
@@ -154,7 +154,7 @@ def test_authors_checkpoint_computes_the_authors_forward(tmp_path):
                                     dtn_reference_compat=True,
                                     init_cfg=dict(type='Pretrained', checkpoint=str(path))).double()
     report = load(backbone)
-    assert not report.missing and not report.unused and not report.dtn_initialised
+    assert not report.missing and not report.unused and not report.dtn_initialized
     assert not backbone.pos_embed[0, 0].any()  # ConViT: no position for the class token
     img = torch.randn(2, 3, 32, 32, dtype=torch.float64)
     with torch.no_grad():

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-__all__ = ['IMAGE_EXTENSIONS', 'list_images', 'normalisation', 'synthetic_images', 'to_tensor',
+__all__ = ['IMAGE_EXTENSIONS', 'list_images', 'normalization', 'synthetic_images', 'to_tensor',
            'ImageSet']
 
 IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.tif', '.tiff', '.webp')
@@ -34,7 +34,7 @@ def list_images(path):
     return files
 
 
-def normalisation(cfg):
+def normalization(cfg):
     """``(mean, std, to_bgr)`` of the config's data preprocessor (RGB images are read)."""
     pre = (cfg.get('model', None) or {}).get('data_preprocessor', None) or {}
     mean = tuple(pre.get('mean', None) or _IMAGENET_MEAN)
@@ -58,7 +58,7 @@ def _resize(img, size, max_side):
 
 def to_tensor(img, cfg, size=None, max_side=None):
     """PIL image -> normalized (1, 3, H, W) float tensor (optionally resized)."""
-    mean, std, to_bgr = normalisation(cfg)
+    mean, std, to_bgr = normalization(cfg)
     arr = np.asarray(_resize(img.convert('RGB'), size, max_side), dtype=np.float32)
     if to_bgr:
         arr = arr[..., ::-1]

@@ -107,9 +107,9 @@ def load_weights(model, checkpoint_path, config_path='config'):
     except ValueError as e:
         raise ValueError(f'checkpoint {checkpoint_path} does not match the backbone of '
                          f'{config_path}: {e}') from None
-    if report.dtn_initialised:
+    if report.dtn_initialized:
         warnings.warn(f'{checkpoint_path} has no DTN gates/positional coefficients for '
-                      f'{len(report.dtn_initialised)} key(s) (e.g. {report.dtn_initialised[0]}); '
+                      f'{len(report.dtn_initialized)} key(s) (e.g. {report.dtn_initialized[0]}); '
                       f'they keep the configured initialization')
     return report
 

@@ -81,7 +81,7 @@ def _slurm_env(port: Optional[int] = None) -> None:
 
 def init_cpu_process_group(launcher: str, timeout: Optional[float] = None,
                            port: Optional[int] = None) -> None:
-    """Initialise the default process group with ``gloo`` for ``launcher`` 'pytorch' or 'slurm'.
+    """Initialize the default process group with ``gloo`` for ``launcher`` 'pytorch' or 'slurm'.
 
     Args:
         launcher: ``'pytorch'`` (torchrun / torch.distributed.launch set the environment) or

@@ -65,7 +65,7 @@ KEEP_FREED_MEMORY = {'MALLOC_MMAP_THRESHOLD_': str(2**32), 'MALLOC_TRIM_THRESHOL
 
 
 def build(name, variant, **extra):
-    """The stock ('ln') or DTN ('dtn') backbone ``name``, initialised from scratch."""
+    """The stock ('ln') or DTN ('dtn') backbone ``name``, initialized from scratch."""
     import mmdtn  # noqa: F401  (registers the DTN backbones)
     from mmdet.registry import MODELS as REG
     stock_type, dtn_type, kwargs = MODELS[name]

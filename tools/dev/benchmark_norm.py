@@ -18,7 +18,7 @@ Shapes: the stages of PVT-Tiny and of Swin-T for an 800 x 1344 input (B = 2; PVT
    for the tokens' dtype; from the same counts, so on any device; beside them the time a cost
    model expects on an H200 (:func:`expected_seconds`) against LayerNorm's time measured there,
    and the ratio last measured there (:data:`MEASURED_H200`).
-3. Time and peak memory of forward + backward: median over repeats, the normalisers timed in turn
+3. Time and peak memory of forward + backward: median over repeats, the normalizers timed in turn
    within every repeat; wall-clock time, or with ``--clock cpu`` the CPU time of the process.
    On CUDA also the time of the GPU alone, with calls queued back to back, and the host's time to
    issue a call (:func:`gpu_seconds`): one call's wall-clock time is mostly launch overhead at
@@ -224,7 +224,7 @@ def relative_error(results, reference):
 
 def timed(modules, x, hw, grad, device, repeats, warmup, clock):
     """Median forward + backward time of every module, timed in turn within every repeat:
-    ``{name: seconds}`` of one call from the host, synchronised before and after (what a lone
+    ``{name: seconds}`` of one call from the host, synchronized before and after (what a lone
     call costs, launches included), and on CUDA also ``{name: (GPU seconds, host seconds)}`` of
     :func:`gpu_seconds`; ``None`` elsewhere."""
     times = {name: [] for name in modules}
@@ -427,7 +427,7 @@ def time_table(args, device, names, progress):
     if gpu:
         print(f'GPU ms: the GPU alone per forward + backward, {GPU_CALLS} calls queued back to '
               'back (no launch gaps); host ms: the host issuing one of them (launches, Python); '
-              'ms: one call from the host, synchronised')
+              'ms: one call from the host, synchronized')
     head = (f"{'stage':<28}{'layer':<{LAYER_WIDTH}}"
             + (f"{'GPU ms':>9}{'x LN':>9}{'host ms':>9}" if gpu else '')
             + f"{'ms':>9}{'x LN':>9}{'MB':>9}{'x LN':>9}{'error':>10}")

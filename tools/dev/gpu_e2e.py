@@ -583,7 +583,7 @@ class Runner:
             with open(osp.join(self.out, 'logs', name, f'{run}_scalars.json'), 'w') as f:
                 f.write('\n'.join(json.dumps(r) for r in records) + '\n')
         if run == 'train':
-            ckpt = osp.join(work, f'epoch_{1}.pth')
+            ckpt = osp.join(work, 'epoch_1.pth')
             record['checkpoint'] = ckpt if osp.isfile(ckpt) else None
             if record['status'] == 'ok' and not record['checkpoint']:
                 record.update(status='failed', error=f'no checkpoint {ckpt} after training')

@@ -61,8 +61,8 @@ StateDict = Dict[str, torch.Tensor]
 class LoadReport:
     """What :func:`load_state_dict_checked` did, key by key."""
     loaded: List[str] = field(default_factory=list)
-    dtn_initialised: List[str] = field(default_factory=list)  # DTN-only params, as configured
-    dpn_initialised: List[str] = field(default_factory=list)  # new Dual PatchNorm LayerNorm
+    dtn_initialized: List[str] = field(default_factory=list)  # DTN-only params, as configured
+    dpn_initialized: List[str] = field(default_factory=list)  # new Dual PatchNorm LayerNorm
     derived: List[str] = field(default_factory=list)  # buffers the model computes itself
     missing: List[str] = field(default_factory=list)  # other model keys not in the checkpoint
     unused: List[str] = field(default_factory=list)  # checkpoint keys the model does not have
@@ -333,9 +333,9 @@ def load_state_dict_checked(model: nn.Module, state_dict: Mapping, logger=None,
         if key in state_dict:
             continue
         if key in dtn_keys:
-            report.dtn_initialised.append(key)
+            report.dtn_initialized.append(key)
         elif key in dpn_keys:
-            report.dpn_initialised.append(key)
+            report.dpn_initialized.append(key)
         elif key.rsplit('.', 1)[-1] in DERIVED_BUFFERS:
             report.derived.append(key)
         else:
@@ -350,8 +350,8 @@ def load_state_dict_checked(model: nn.Module, state_dict: Mapping, logger=None,
     if strict and report.unused:
         problems.append(f'{len(report.unused)} checkpoint key(s) not in the model: '
                         + _listed(report.unused))
-    if strict and (report.missing or report.dpn_initialised):
-        absent = report.missing + report.dpn_initialised
+    if strict and (report.missing or report.dpn_initialized):
+        absent = report.missing + report.dpn_initialized
         problems.append(f'{len(absent)} model key(s) missing from the checkpoint: '
                         + _listed(absent))
     if problems:
@@ -360,14 +360,14 @@ def load_state_dict_checked(model: nn.Module, state_dict: Mapping, logger=None,
 
     print_log(f'{name}: loaded {len(report.loaded)} of {len(model_state)} tensors',
               logger=logger)
-    if report.dtn_initialised:
+    if report.dtn_initialized:
         inits = sorted({m.init for m in model.modules() if isinstance(m, DynamicTokenNorm)})
-        print_log(f'{name}: {len(report.dtn_initialised)} DTN-only parameters are not in the '
+        print_log(f'{name}: {len(report.dtn_initialized)} DTN-only parameters are not in the '
                   f'checkpoint and keep their init={"/".join(inits)} values: ' +
-                  ', '.join(report.dtn_initialised), logger=logger)
-    if report.dpn_initialised:
+                  ', '.join(report.dtn_initialized), logger=logger)
+    if report.dpn_initialized:
         print_log(f'{name}: the checkpoint has no Dual PatchNorm patch LayerNorm; freshly '
-                  'initialized (weight 1, bias 0): ' + ', '.join(report.dpn_initialised),
+                  'initialized (weight 1, bias 0): ' + ', '.join(report.dpn_initialized),
                   logger=logger, level=30)
     if report.derived:
         print_log(f'{name}: {len(report.derived)} buffers not in the checkpoint are derived from '

@@ -1,4 +1,4 @@
-"""Normalisation layers: Dynamic Token Normalization (with reference-code compatibility) and
+"""Normalization layers: Dynamic Token Normalization (with reference-code compatibility) and
 Dual PatchNorm."""
 from .dtn import (DTN_ONLY_PARAMETERS, GATE_PARAMETERS, LAYERNORM_GATE_LOGIT, DynamicTokenNorm,
                   available_backends, get_dtn_backend, neighbourhood_offsets, set_dtn_backend)

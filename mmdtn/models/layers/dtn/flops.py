@@ -25,7 +25,7 @@ h x w = ceil(H / s) x ceil(W / s) of T = h * w cells:
 * ``inter_token_variance`` (Eq. 5), B T C: P x^2 - (P x)^2;
 * ``mixing`` (Eq. 5), 4 B N C + 2 G: lambda = sigmoid(gate) per head, then
   lambda mu_ln + (1 - lambda) P x for the mean and the variance (2 per element each);
-* ``normalisation`` (Eq. 4), 5 B N C: x - mu, sigma^2 + eps, its inverse square root, the
+* ``normalization`` (Eq. 4), 5 B N C: x - mu, sigma^2 + eps, its inverse square root, the
   product, gamma y + beta.
 
 Without pooling (s = 1, T = N) that is 13 FLOPs per token and channel plus the positional products,
@@ -39,7 +39,7 @@ grid of an 800 x 1344 detection input (T = 4200) the dense products alone cost 2
 the factorised ones 2 C T (h + w) = 268 C T.
 
 The count is that of the paper's statistics; ``reference_compat=True`` (the authors' code) adds a
-per-head RMS pre-normalisation of x that is not counted.
+per-head RMS pre-normalization of x that is not counted.
 """
 from .grid import pooled_size
 
@@ -76,7 +76,7 @@ def dtn_flop_terms(batch, channels, num_heads, hw_shape, pool_size=1, *, dense=F
         'positional_products': 2 * b * c * t * (t if dense else h + w),
         'inter_token_variance': b * t * c,
         'mixing': b * 4 * n * c + 2 * g,
-        'normalisation': b * 5 * n * c,
+        'normalization': b * 5 * n * c,
     }
 
 

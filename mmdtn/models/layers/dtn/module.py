@@ -1,4 +1,4 @@
-"""DynamicTokenNorm, the module: parameters, initialisation (Algorithm 1), input checks, the dtype
+"""DynamicTokenNorm, the module: parameters, initialization (Algorithm 1), input checks, the dtype
 policy and the analysis helpers. The math lives in :mod:`.function` and the backends."""
 import torch
 from torch import nn
@@ -14,7 +14,7 @@ from .positional import axis_factors, paper_coefficients, positional_matrix
 __all__ = ['DynamicTokenNorm', 'LAYERNORM_GATE_LOGIT', 'DTN_INITS', 'GATE_PARAMETERS',
            'DTN_ONLY_PARAMETERS']
 
-#: The initialisations of DynamicTokenNorm (its ``init`` argument).
+#: The initializations of DynamicTokenNorm (its ``init`` argument).
 DTN_INITS = ('paper', 'layernorm')
 
 #: The gate parameters (mean, variance; Eq. 5) of each ``init``: the logits of lambda, or the
@@ -66,7 +66,7 @@ class DynamicTokenNorm(nn.Module):
     ``var_gate_distance``, see below); ``pos_coef`` (num_heads, 3), the a^h of Eq. 6.
 
     Starting from LayerNorm (``init='layernorm'``): LayerNorm is lambda = 1, which a logit reaches
-    only at infinity, where its gradient lambda (1 - lambda) vanishes; near it an optimiser moves
+    only at infinity, where its gradient lambda (1 - lambda) vanishes; near it an optimizer moves
     a logit by about its learning rate per step, so 1 - lambda grows by a factor e per unit of
     logit it travels. Such a layer therefore trains its gates as their distance u from LayerNorm,
     1 - lambda = tanh|u|, starting at u = 0: it is LayerNorm exactly (any input), the gradient of
@@ -176,12 +176,12 @@ class DynamicTokenNorm(nn.Module):
         return positional_matrix(*self.axis_matrices(hw_shape))
 
     def statistics(self, x, hw_shape):
-        """The normalisation constants of Eqs. 2 and 5 for tokens ``x`` (B, N, C).
+        """The normalization constants of Eqs. 2 and 5 for tokens ``x`` (B, N, C).
 
         Returns:
             dict[str, Tensor]: 'mean_ln', 'var_ln' (B, N, 1); 'mean_it', 'var_it', 'mean', 'var'
             (B, N, C), all in the computation dtype (float32 or float64). 'var' excludes eps. With
-            ``reference_compat`` they refer to the group-RMS-normalised input.
+            ``reference_compat`` they refer to the group-RMS-normalized input.
         """
         grid = self._grid(x, hw_shape)
         with no_autocast(x.device), torch.no_grad():
@@ -207,7 +207,7 @@ class DynamicTokenNorm(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x, hw_shape):
-        """Normalise tokens ``x`` (B, N, C) laid out row-major on the ``hw_shape`` = (H, W) grid."""
+        """Normalize tokens ``x`` (B, N, C) laid out row-major on the ``hw_shape`` = (H, W) grid."""
         grid = self._grid(x, hw_shape)
         with no_autocast(x.device):
             dtype = self._computation_dtype(x)
@@ -216,7 +216,7 @@ class DynamicTokenNorm(nn.Module):
                 return (x.to(dtype) * weight + bias).to(x.dtype)
             backend = select_backend(x, grid, dtype)
             # a backend that reads 16-bit tokens gets them as they are, unless the group-RMS
-            # prenormalisation (reference_compat) comes first: part of the statistics, it runs
+            # prenormalization (reference_compat) comes first: part of the statistics, it runs
             # in `dtype` as on every backend (its rounding to 16 bits moved the parameters'
             # gradients by up to 1.7%: test_dtn_triton.py)
             direct = x.dtype in backend.input_dtypes and not self.convention.group_rms_prenorm
@@ -250,7 +250,7 @@ class DynamicTokenNorm(nn.Module):
         return torch.promote_types(torch.promote_types(x.dtype, self.weight.dtype), torch.float32)
 
     def _prepare(self, x):
-        """x group-RMS-normalised if so configured (the reference code's convention)."""
+        """x group-RMS-normalized if so configured (the reference code's convention)."""
         if self.convention.group_rms_prenorm:
             x = group_rms_normalize(x, self.num_heads, self.eps)
         return x

@@ -1,7 +1,7 @@
 """The position-aware matrix P^h of Dynamic Token Normalization (Shao et al., ICLR 2022, Eqs. 6-7).
 
     P^h_ij = softmax_j(a^h . R_ij),   R_ij = [dx^2 + dy^2, dx, dy]                          (Eq. 6)
-    a^h    = [-1, 2 Dx^h, 2 Dy^h] at initialisation, (Dx^h, Dy^h) a neighbour offset     (Eq. 7)
+    a^h    = [-1, 2 Dx^h, 2 Dy^h] at initialization, (Dx^h, Dy^h) a neighbour offset     (Eq. 7)
 
 with (dx, dy) the column and row of source token j minus those of output token i. The logits
 separate over the two axes, (a1 dx^2 + a2 dx) + (a1 dy^2 + a3 dy), so on a rectangular grid the
@@ -68,7 +68,7 @@ def truncated_softmax(logits):
     eps w_max v_max of its peak term unless the feature v is 2^26 (6.7e7) times larger than v_max,
     the feature at the peak. Kept, such weights times small features give subnormal floats, which
     slow matrix products on CPUs down by 2x and more; zeros cost nothing, and banded kernels skip
-    them. With the paper's initialisation (logits -(k - D)^2 at distance k) this keeps 11 weights
+    them. With the paper's initialization (logits -(k - D)^2 at distance k) this keeps 11 weights
     per row in float32 and 15 in float64, on any grid."""
     return _truncated_softmax(logits, serial=False)
 

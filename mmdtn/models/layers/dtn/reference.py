@@ -61,7 +61,7 @@ def dense_dtn(x, hw_shape, weight, bias, mean_gate, var_gate, pos_coef, pool_siz
             (:mod:`~mmdtn.models.layers.reference_compat`).
 
     Returns:
-        tuple: y (B, N, C), and a dict of the normalisation constants (B, N, C) or (B, N, 1):
+        tuple: y (B, N, C), and a dict of the normalization constants (B, N, C) or (B, N, 1):
         'mean_ln', 'var_ln' (Eq. 2), 'mean_it', 'var_it' (the inter-token terms of Eq. 5),
         'mean', 'var' (Eq. 5).
     """

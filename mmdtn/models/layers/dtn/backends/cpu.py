@@ -4,7 +4,7 @@ Supports float32 and float64 tensors on CPUs where mmdtn was installed with its 
 (``MMDTN_WITH_OPS=0`` installs without them). Each pass over the tokens is one trip through memory,
 with AVX-512 variants chosen at run time. The positional products visit only the nonzero band of
 P_x and P_y (far from its peak a row is exact zeros: 11 of a row's weights are nonzero in float32
-at the paper's initialisation), unless a head's band spans most of its axis. Without pooling, and
+at the paper's initialization), unless a head's band spans most of its axis. Without pooling, and
 with whole 64-byte vectors per head, the products are fused with the passes over the tokens: per
 (image, head) the token rows are walked in order and u = P_x T, m = P_y u, their gradients and the
 output are formed row by row in cache, never stored.
