@@ -51,12 +51,14 @@ class TritonBackend(Backend):
             return _MISSING
         if dtype == torch.float64:
             return "the Triton kernels compute in float32; float64 runs on the 'torch' backend"
-        if x.device.type == 'cpu' and not interpreting():
-            return ('x is on the CPU; the Triton kernels run on CUDA GPUs (and, with '
-                    'TRITON_INTERPRET=1, in Triton\'s interpreter)')
-        if x.device.type not in ('cuda', 'cpu', 'meta'):
-            return f'x is on {x.device}; the Triton kernels run on CUDA GPUs'
-        return None
+        kind = x.device.type
+        if kind == 'cuda' or kind == 'meta':
+            return None
+        if kind == 'cpu':
+            return None if interpreting() else (
+                'x is on the CPU; the Triton kernels run on CUDA GPUs (and, with '
+                'TRITON_INTERPRET=1, in Triton\'s interpreter)')
+        return f'x is on {x.device}; the Triton kernels run on CUDA GPUs'
 
     def apply(self, x, pos_coef, gates, weight, bias, grid, eps, convention, layernorm):
         return layer.normalize(x, pos_coef, *gates, weight, bias, grid, eps, convention,
