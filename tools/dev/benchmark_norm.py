@@ -328,9 +328,9 @@ def traffic_table(args, device, backends, progress):
 #: the passes over the tokens and the reductions, and 2 us between launches.
 H200 = dict(bandwidth=4.3e12, fp32=67e12, products=0.70, rate=0.60, passes=0.35, gap=2e-6)
 
-#: Measured on an H200 (docs/benchmarks.md, batch 2, float16 tokens, forward + backward, at
-#: 0d3d8de, the previous Triton kernels: band walks fused with the passes): LayerNorm's GPU time
-#: (seconds) and the Triton layer's as a multiple of it, by stage label.
+#: Measured on an H200 (docs/benchmarks.md, batch 2, float16 tokens, forward + backward; the
+#: previous Triton kernels, of commit 22166b7: band walks fused with the passes): LayerNorm's GPU
+#: time (seconds) and the Triton layer's as a multiple of it, by stage label.
 MEASURED_H200 = {
     'pvt_tiny s1 200x336x64 p4': (278e-6, 1.16), 'pvt_tiny s2 100x168x128 p2': (163e-6, 1.66),
     'pvt_tiny s3 50x84x320 p1': (52e-6, 13.7), 'pvt_tiny s4 25x42x512 p1': (21e-6, 18.0),
@@ -360,7 +360,7 @@ def model_table(args, counts):
     print(f'\nTraffic of the Triton backend per token, batch {args.batch}, {args.dtype} tokens '
           '(statistics in float32), bytes read + written; expected: the cost model on an H200 '
           "(tools/dev/benchmark_norm.py: H200), against LayerNorm's time measured there; "
-          'measured: the previous kernels at 0d3d8de (band walks)')
+          'measured: the previous kernels of 22166b7 (band walks)')
     for model, stage, C, H, W, pool, heads in args.stages:
         label = stage_label(model, stage, C, H, W, pool)
         if (label, 'DTN triton') not in counts:
