@@ -171,7 +171,7 @@ def test_backends_agree_in_float32(backend_setting, pool, hw, B):
 
 
 def test_fused_products_agree_with_other_backends(backend_setting):
-    """Float32, paper initialisation, 16 channels per head, no pooling, two stacked layers: the
+    """Float32, paper initialization, 16 channels per head, no pooling, two stacked layers: the
     CPU kernels that fuse the products with the passes over the tokens agree with the others."""
     torch.manual_seed(0)
     hw = (10, 40)

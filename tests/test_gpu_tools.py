@@ -72,7 +72,7 @@ def test_compiled_as_the_layers_launch_them():
     """compile_kernels.py checks what it compiles against what the layers launch: every launch of
     PVTv2-b0's DTN layers (forward and backward on meta tensors, float16 tokens) binds, through
     Triton's own binder, to a signature and attributes that it compiles: the tensors aligned to 16
-    bytes, C and d specialised as multiples of 16 only where they are (the first stage has heads
+    bytes, C and d specialized as multiples of 16 only where they are (the first stage has heads
     of 8 channels), never H and W (no recompilation per resolution). A tool that took d for a
     multiple of 16 there stops, naming the launch."""
     assert_tool_check(textwrap.dedent('''

@@ -36,7 +36,7 @@ the T x T matrix P^h = softmax(R a^h) and multiplies by it: ``positional_factors
 (3 multiply-adds for R_ij . a^h and 4 for the softmax, per entry) and ``positional_products``
 2 B C T^2. They grow with the square of the number of cells instead of T (h + w): on the stride-16
 grid of an 800 x 1344 detection input (T = 4200) the dense products alone cost 2 C T^2 = 8400 C T,
-the factorised ones 2 C T (h + w) = 268 C T.
+the factorized ones 2 C T (h + w) = 268 C T.
 
 The count is that of the paper's statistics; ``reference_compat=True`` (the authors' code) adds a
 per-head RMS pre-normalization of x that is not counted.
@@ -55,7 +55,7 @@ def dtn_flop_terms(batch, channels, num_heads, hw_shape, pool_size=1, *, dense=F
         num_heads (int): DTN heads G.
         hw_shape (tuple[int, int]): token grid (H, W).
         pool_size (int): the layer's ``pool_size`` s.
-        dense (bool): count the paper's dense T x T P^h instead of the factorised one.
+        dense (bool): count the paper's dense T x T P^h instead of the factorized one.
 
     Returns:
         dict[str, int]: FLOPs per term (multiply-add = 1), in the table's order.

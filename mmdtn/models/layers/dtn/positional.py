@@ -5,7 +5,7 @@
 
 with (dx, dy) the column and row of source token j minus those of output token i. The logits
 separate over the two axes, (a1 dx^2 + a2 dx) + (a1 dy^2 + a3 dy), so on a rectangular grid the
-softmax factorises exactly: P^h = P_y^h (kron) P_x^h, with P_x^h (W x W) and P_y^h (H x H) the
+softmax factorizes exactly: P^h = P_y^h (kron) P_x^h, with P_x^h (W x W) and P_y^h (H x H) the
 softmax of each axis's logits. DTN applies P^h as these two factors and never builds the T x T
 matrix; :func:`positional_matrix` builds it for inspection.
 
