@@ -36,7 +36,7 @@ from .grid import TokenGrid
 
 __all__ = ['no_autocast', 'TokenStatistics', 'Saved', 'Gradients', 'dtn_forward', 'dtn_backward',
            'inter_token_statistics', 'ln_statistics', 'ln_gradient', 'define_traced_function',
-           'define_custom_ops', 'watched', 'CUSTOM_OP_IMPLEMENTATIONS']
+           'define_custom_ops', 'traced', 'watched', 'CUSTOM_OP_IMPLEMENTATIONS']
 
 
 #: Whether autocast exists on a device type (not on 'meta'), asked once per type outside of
@@ -58,14 +58,15 @@ def no_autocast(device):
 
 @dataclass
 class TokenStatistics:
-    """The statistics pass: per token ``mean_ln``, ``var_ln`` (B, N, 1) (Eq. 2); per image the
+    """The statistics pass: per token ``mean_ln``, ``var_ln`` (B, N, 1) (Eq. 2; None where only
+    the moments are formed: :meth:`.backends.base.Backend.token_moments`); per image the
     ``centre`` (B, 1, 1, C), a per-channel constant near the tokens' values; per cell
     ``cell_mean`` (B, Hp, Wp, C) and ``cell_second``, the mean of (x - centre)^2, or None where
     the second moment is the square of the first moment (no pooling, or the reference code's
     square of the pooled x)."""
 
-    mean_ln: Tensor
-    var_ln: Tensor
+    mean_ln: Optional[Tensor]
+    var_ln: Optional[Tensor]
     centre: Tensor
     cell_mean: Tensor
     cell_second: Optional[Tensor]
@@ -346,13 +347,19 @@ def define_traced_function(backend):
 CUSTOM_OP_IMPLEMENTATIONS = {}
 
 
-def watched(x):
-    """Whether a call on tensor ``x`` must run as its custom ops: under a tracer (``torch.compile``,
-    ``torch.export``, ``torch.jit.trace``), a dispatch mode (FLOP and byte counters, fake tensors)
-    or on meta tensors. Otherwise the same Python runs as an autograd Function, without the custom
-    ops' dispatch (README, "Backends": 0.98 against 0.56 ms of Python per Triton layer call)."""
-    return (x.device.type == 'meta' or torch.compiler.is_compiling() or torch.jit.is_tracing()
+def traced():
+    """Whether a call runs under a tracer (``torch.compile``, ``torch.export``,
+    ``torch.jit.trace``) or a dispatch mode (FLOP and byte counters, fake tensors): then a
+    backend's compiled kernels must run as custom ops."""
+    return (torch.compiler.is_compiling() or torch.jit.is_tracing()
             or torch._C._len_torch_dispatch_stack() > 0)
+
+
+def watched(x):
+    """Whether a call on tensor ``x`` must run as its custom ops: when :func:`traced`, or on meta
+    tensors, which the C++ kernels cannot run. Otherwise the same Python runs as an autograd
+    Function, without the custom ops' dispatch."""
+    return x.device.type == 'meta' or traced()
 
 
 def define_custom_ops(backend, name):

@@ -9,27 +9,30 @@ Forward (Eqs. 2, 4-6), six launches::
     products    u = T P_x^T, m = P_y u                                    (:mod:`.products`)
     output      y from x and m (Eqs. 2, 4, 5)                             (:mod:`.kernels`)
 
-Backward, eleven without pooling (three of them T, u and m formed again) and eight with: the token
-gradients (dL/dm and the parameters' shares, added up by one reduction), the four products
-backwards, the input gradient, and the gradients of a^h and the gates (two launches).
+Backward, twelve launches without pooling (three of them T, u and m formed again) and nine with:
+the token gradients (dL/dm and the parameters' shares, added up by one reduction), the four
+products backwards, the input gradient, and the gradients of a^h and the gates (two launches).
 
 Everything that depends only on the shapes and the layer's settings (the cell grid, the strides
 of the planes, the programs, the kernels' constexprs) is a :class:`Plan`, made once per (shapes,
 settings) and cached; it holds numbers only, never a tensor. A call checks nothing the module has
 not checked, looks its plan up, allocates and launches: four allocations forward (the centre, one
-buffer for P_y, P_x and the ratios, one for the planes T, u, m, and y) and four or five backward.
+buffer for P_y, P_x and the ratios, one for the planes T, u, m, and y) and seven backward (the
+planes' gradients, the programs' shares, dx, the shares of the gradient of a^h and the three
+parameter gradients).
 
-In eager calls the passes run inside an autograd Function; under a tracer (``torch.compile``,
-``torch.export``), a dispatch mode (FLOP counters, fake tensors) or on meta tensors they run as
-the custom ops ``mmdtn::dtn_triton_forward`` and ``mmdtn::dtn_triton_backward``
-(:func:`traced`), whose fake implementations give the shapes.
+In eager calls, meta tensors included (their launches recorded, never made: the host's own time
+of a call, ``tools/dev/benchmark_norm.py``), the passes run inside an autograd Function; under a
+tracer (``torch.compile``, ``torch.export``) or a dispatch mode (FLOP counters, fake tensors) they
+run as the custom ops ``mmdtn::dtn_triton_forward`` and ``mmdtn::dtn_triton_backward``
+(:func:`...function.traced`), whose fake implementations give the shapes.
 """
 import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from ...flops import dtn_flops
-from ...function import CUSTOM_OP_IMPLEMENTATIONS
+from ...function import CUSTOM_OP_IMPLEMENTATIONS, traced
 from ...grid import pooled_size
 from . import kernels, parameters
 from .products import backward_products, forward_products, plane_strides
@@ -228,16 +231,6 @@ def _flops(x_shape, *args, out_shape=None, **kwargs):
 
 
 # ---------------------------------------------------------------------------- the entry
-def traced():
-    """Whether a call must run as the custom ops: under a tracer (``torch.compile``,
-    ``torch.export``, ``torch.jit.trace``) or a dispatch mode (FLOP and byte counters, fake
-    tensors). Meta tensors outside them run the passes eagerly, their launches recorded and never
-    made (the host's own time of a call, with no device work: ``tools/dev/benchmark_norm.py
-    --tables host``)."""
-    return (torch.compiler.is_compiling() or torch.jit.is_tracing()
-            or torch._C._len_torch_dispatch_stack() > 0)
-
-
 def normalize(x, pos_coef, mean_gate, var_gate, weight, bias, grid, eps, convention, layernorm):
     """DTN of contiguous tokens x (B, N, C) on ``grid`` (a :class:`...grid.TokenGrid`) from the
     layer's parameters in float32: eagerly one autograd node, under tracing the custom ops."""
