@@ -204,7 +204,8 @@ def test_classifier_checkpoint_starts_the_demo_detector(tmp_path):
     save_checkpoint(dict(meta=dict(iter=3), state_dict=classifier.state_dict()), checkpoint)
 
     init_default_scope('mmdet')
-    cfg = demo.start_from(demo.build_config(args), checkpoint)
+    cfg = demo.build_config(args)
+    cfg = demo.start_from(cfg, checkpoint, cfg.finetune.backbone_lr_mult)
     assert cfg.model.backbone.init_cfg == dict(type='Pretrained', checkpoint=checkpoint)
     detector = DET_MODELS.build(cfg.model)
     detector.init_weights()
@@ -231,3 +232,119 @@ def test_classifier_checkpoint_starts_the_demo_detector(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(backbone(x)[3], classifier.backbone(x)[0], rtol=1e-5,
                                    atol=1e-5)
+
+
+def compare_tool():
+    """The module of tools/demo_compare.py."""
+    spec = importlib.util.spec_from_file_location(
+        'demo_compare', osp.join(ROOT, 'tools', 'demo_compare.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize('model', ['mask_rcnn', 'retinanet'])
+def test_layernorm_twin_is_the_stock_pvt_with_the_same_settings(model):
+    """The LN twin of a demo config differs from it only in ``dtn_stages=False``, and its backbone
+    is mmdet's stock PVT-Tiny: the same parameters (names and shapes) and no DTN."""
+    from mmdet.models.backbones import PyramidVisionTransformer
+    from mmdet.registry import MODELS as DET_MODELS
+
+    from mmdtn.models.layers import DynamicTokenNorm
+
+    demo = demo_tool()
+    dtn, ln = (demo.load_config(demo.detector_config(model, norm)) for norm in ('dtn', 'ln'))
+    dtn_d, ln_d = copy.deepcopy(dtn.to_dict()), copy.deepcopy(ln.to_dict())
+    assert ln_d['model']['backbone'].pop('dtn_stages') is False
+    assert dtn_d == ln_d
+    init_default_scope('mmdet')
+    backbone = DET_MODELS.build(ln.model.backbone)
+    stock_cfg = dict(ln.model.backbone)
+    stock_cfg.pop('type'), stock_cfg.pop('dtn_stages')
+    stock = PyramidVisionTransformer(**stock_cfg)
+    assert not any(isinstance(m, DynamicTokenNorm) for m in backbone.modules())
+    assert {k: v.shape for k, v in backbone.state_dict().items()} == \
+        {k: v.shape for k, v in stock.state_dict().items()}
+
+
+def test_pretrained_start_scales_every_backbone_learning_rate():
+    """``start_from``: the fine-tuning's ``backbone_lr_mult`` reaches every backbone parameter
+    and no other, and DTN's gates and positional coefficients keep no weight decay (mmengine
+    applies a single matching key)."""
+    from mmdet.registry import MODELS as DET_MODELS
+    from mmengine.optim import build_optim_wrapper
+
+    demo = demo_tool()
+    cfg = demo.build_config(demo.parse_args(['--pretrain']))
+    cfg = demo.start_from(cfg, 'unused.pth', 0.25)
+    init_default_scope('mmdet')
+    model = DET_MODELS.build(cfg.model)
+    optimizer = build_optim_wrapper(model, cfg.optim_wrapper).optimizer
+    base = cfg.optim_wrapper.optimizer.lr
+    names = {id(p): n for n, p in model.named_parameters()}
+    seen = 0
+    for group in optimizer.param_groups:
+        for p in group['params']:
+            name = names[id(p)]
+            expected = 0.25 * base if name.startswith('backbone.') else base
+            assert group['lr'] == pytest.approx(expected), name
+            no_decay = name.rsplit('.', 1)[-1] in DTN_ONLY_PARAMETERS
+            assert group['weight_decay'] == (0 if no_decay else 0.05), name
+            seen += no_decay
+    assert seen == 3 * 2 * 2 * 3  # gates and positional coefficients of the DTN stages
+
+
+def test_comparison_statistics_are_per_seed_differences():
+    tool = compare_tool()
+    metrics = lambda bbox, segm: {'coco/bbox_mAP': bbox, 'coco/segm_mAP': segm}  # noqa: E731
+    results = {('from scratch', 'dtn', 0): metrics(0.30, 0.40),
+               ('from scratch', 'ln', 0): metrics(0.20, 0.38),
+               ('from scratch', 'dtn', 1): metrics(0.10, 0.30),
+               ('from scratch', 'ln', 1): metrics(0.12, 0.32),
+               ('from scratch', 'dtn', 2): metrics(0.20, 0.35),
+               ('from scratch', 'ln', 2): {}}  # CocoMetric found nothing to evaluate: AP 0
+    table = tool.compare(results, ('bbox', 'segm'))
+    bbox = table['from scratch']['bbox']
+    np.testing.assert_allclose(bbox['dtn'], [30, 10, 20])
+    np.testing.assert_allclose(bbox['ln'], [20, 12, 0])
+    np.testing.assert_allclose(bbox['difference'], [10, -2, 20])
+    mean, std = tool.summarize(bbox['difference'])
+    assert mean == pytest.approx(28 / 3) and std == pytest.approx(np.std([10, -2, 20], ddof=1))
+    assert tool.summarize([5.0]) == (5.0, 0.0)
+    markdown = tool.format_markdown(table).splitlines()
+    assert markdown[0] == '| Start | AP | LayerNorm | DTN | DTN - LN |'
+    assert markdown[2] == '| from scratch | bbox | 10.7 ± 10.1 | 20.0 ± 10.0 | +9.3 ± 11.0 |'
+
+
+def test_compare_tool_trains_both_norms_and_resumes(tmp_path):
+    """The comparison's whole path on a tiny schedule (two iterations, one seed, from scratch and
+    pretrained): every training runs, the table, figure and values are written, and a second
+    call reuses the finished trainings."""
+    work_dir = tmp_path / 'work'
+    cmd = [sys.executable, 'tools/demo_compare.py', '--iters', '2', '--seeds', '1',
+           '--pretrain', '--pretrain-iters', '2', '--work-dir', str(work_dir),
+           '--data-root', str(tmp_path / 'shapes'),
+           '--pretrain-data-root', str(tmp_path / 'crops')]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    with open(work_dir / 'comparison.json') as f:
+        result = json.load(f)
+    assert result['iters'] == 2 and result['seeds'] == 1
+    assert sorted(result['ap']) == ['from scratch', 'pretrained']
+    for start in result['ap'].values():
+        assert sorted(start) == ['bbox', 'segm']
+        for ap in start.values():
+            assert all(len(ap[k]) == 1 for k in ('dtn', 'ln', 'difference'))
+            assert ap['difference'][0] == pytest.approx(ap['dtn'][0] - ap['ln'][0])
+    for norm in ('dtn', 'ln'):
+        classifier = work_dir / norm / 'seed_0' / 'classifier'
+        assert (classifier / 'iter_2.pth').is_file()
+        with open(work_dir / norm / 'seed_0' / 'pretrained' / 'result.json') as f:
+            assert 'init_cfg' in json.load(f)['config']
+    assert (work_dir / 'comparison.png').is_file()
+    assert '| pretrained | segm |' in (work_dir / 'comparison.md').read_text()
+
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    log = (work_dir / 'ln' / 'seed_0' / 'pretrained' / 'demo.log').read_text()
+    assert log.count('reusing the result of the same config') == 2  # classifier and detector

@@ -13,7 +13,12 @@ With ``--pretrain``, the ImageNet-to-COCO route in small: the backbone is first 
 mmpretrain image classifier on crops of other generated shapes
 (``configs/demo/classifier_pvt_tiny_dtn_shape_crops.py``, ``mmdtn.datasets.shape_crops``), then
 the detector is trained twice for the same iterations, from scratch and from that checkpoint
-(``init_cfg=dict(type='Pretrained', checkpoint=...)``), and the AP tables are printed together.
+(``init_cfg=dict(type='Pretrained', checkpoint=...)`` and the config's ``finetune`` recipe), and
+the AP tables are printed together (``--pretrain only``: the pretrained start alone).
+
+``--norm ln`` trains the LayerNorm twin (``configs/demo/*_ln_*.py``) instead of DTN, and
+``--seed`` sets the seed of the training (the data stay the same);
+``tools/demo_compare.py`` runs both over several seeds.
 
 Usage::
 
@@ -21,8 +26,10 @@ Usage::
     python tools/demo.py --model retinanet     # RetinaNet: bbox AP
     python tools/demo.py --iters 100 --work-dir /tmp/demo   # a shorter run
     python tools/demo.py --pretrain            # pretrained vs from scratch
+    python tools/demo.py --norm ln --seed 1    # the LayerNorm twin, another seed
 
-The metrics are also written to ``<work-dir>/metrics.json``.
+The metrics are also written to ``<work-dir>/metrics.json``. With ``--reuse``, a training whose
+work dir holds the result of the same config (``result.json``) is not run again.
 """
 import argparse
 import copy
@@ -31,23 +38,40 @@ import os
 import os.path as osp
 import time
 
+from mmengine.config import DictAction
+
 from mmdtn.engine.cli import add_cfg_options, load_config, set_work_dir
 from mmdtn.engine.compile import prepare_compiled_training
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-CONFIGS = {
-    'mask_rcnn': osp.join(ROOT, 'configs', 'demo', 'mask_rcnn_pvt_tiny_dtn_shapes.py'),
-    'retinanet': osp.join(ROOT, 'configs', 'demo', 'retinanet_pvt_tiny_dtn_shapes.py'),
-}
-CLASSIFIER_CONFIG = osp.join(ROOT, 'configs', 'demo', 'classifier_pvt_tiny_dtn_shape_crops.py')
+DEMO_CONFIGS = osp.join(ROOT, 'configs', 'demo')
+MODELS = ('mask_rcnn', 'retinanet')
+NORMS = {'dtn': 'PVT-Tiny-DTN', 'ln': 'PVT-Tiny (LayerNorm)'}
+
+
+def detector_config(model, norm='dtn'):
+    """The demo config of ``model`` ('mask_rcnn' or 'retinanet') with ``norm`` ('dtn' or 'ln')."""
+    return osp.join(DEMO_CONFIGS, f'{model}_pvt_tiny_{norm}_shapes.py')
+
+
+def classifier_config(norm='dtn'):
+    """The config of the backbone's pretraining with ``norm`` ('dtn' or 'ln')."""
+    return osp.join(DEMO_CONFIGS, f'classifier_pvt_tiny_{norm}_shape_crops.py')
+
+
 AP_KEYS = ('mAP', 'mAP_50', 'mAP_75', 'mAP_s', 'mAP_m', 'mAP_l')
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description='Train and evaluate a PVT-Tiny-DTN detector on generated shapes, on CPU.')
-    parser.add_argument('--model', choices=sorted(CONFIGS), default='mask_rcnn',
+    parser.add_argument('--model', choices=MODELS, default='mask_rcnn',
                         help='detector to train (default: mask_rcnn, which gives bbox and segm AP)')
+    parser.add_argument('--norm', choices=sorted(NORMS), default='dtn',
+                        help="the backbone's norm: dtn, or ln for its LayerNorm twin "
+                        '(default: dtn)')
+    parser.add_argument('--seed', type=int, default=None,
+                        help="seed of the trainings (default: the config's randomness.seed)")
     parser.add_argument('--work-dir', default=None,
                         help='logs, checkpoint, metrics and drawings '
                         '(default: work_dirs/demo_<model>)')
@@ -58,14 +82,20 @@ def parse_args(argv=None):
     parser.add_argument('--num-vis', type=int, default=8, help='val images to draw predictions on')
     parser.add_argument('--score-thr', type=float, default=0.4,
                         help='score threshold of the drawings')
-    parser.add_argument('--pretrain', action='store_true',
+    parser.add_argument('--pretrain', nargs='?', const='both', choices=['both', 'only'],
                         help='pretrain the backbone as a classifier on generated shape crops, '
-                        'then train the detector from it and from scratch and compare '
+                        'then train the detector from it and from scratch and compare; '
+                        '"--pretrain only": from it alone '
                         '(default work dir: work_dirs/demo_<model>_pretrain)')
     parser.add_argument('--pretrain-iters', type=int, default=None,
                         help="classifier iterations (default: the classifier config's max_iters)")
     parser.add_argument('--pretrain-data-root', default=osp.join(ROOT, 'data', 'shape_crops'),
                         help='where the generated classification set is written or reused')
+    parser.add_argument('--pretrain-cfg-options', nargs='+', action=DictAction,
+                        metavar='KEY=VALUE', help="override settings of the classifier's config")
+    parser.add_argument('--reuse', action='store_true',
+                        help='do not train again where the work dir holds the result of the '
+                        'same config')
     return add_cfg_options(parser).parse_args(argv)
 
 
@@ -85,7 +115,9 @@ def set_max_iters(cfg, iters):
 
 def build_config(args):
     """The demo config with the command-line settings applied."""
-    cfg = load_config(CONFIGS[args.model], args.cfg_options)
+    cfg = load_config(detector_config(args.model, args.norm), args.cfg_options)
+    if args.seed is not None:
+        cfg.randomness.seed = args.seed
     data_root = osp.abspath(args.data_root) + os.sep
     for loader in ('train_dataloader', 'val_dataloader', 'test_dataloader'):
         cfg[loader].dataset.data_root = data_root
@@ -93,7 +125,8 @@ def build_config(args):
         cfg[evaluator].ann_file = osp.join(data_root, 'annotations', 'instances_val.json')
     if args.iters is not None:
         set_max_iters(cfg, args.iters)
-    name = f'demo_{args.model}' + ('_pretrain' if args.pretrain else '')
+    name = (f'demo_{args.model}' + ('_ln' if args.norm == 'ln' else '') +
+            ('_pretrain' if args.pretrain else ''))
     cfg.work_dir = osp.abspath(set_work_dir(cfg, args.work_dir,
                                             osp.join(ROOT, 'work_dirs', name)))
     # the final evaluation is run once, by runner.test() below, not also at the end of training
@@ -103,7 +136,9 @@ def build_config(args):
 
 def build_classifier_config(args, work_dir):
     """The config of the backbone's pretraining, with the command-line settings applied."""
-    cfg = load_config(CLASSIFIER_CONFIG)
+    cfg = load_config(classifier_config(args.norm), args.pretrain_cfg_options)
+    if args.seed is not None:
+        cfg.randomness.seed = args.seed
     for loader in ('train_dataloader', 'val_dataloader', 'test_dataloader'):
         cfg[loader].dataset.data_root = osp.abspath(args.pretrain_data_root)
     if args.pretrain_iters is not None:
@@ -112,12 +147,47 @@ def build_classifier_config(args, work_dir):
     return cfg
 
 
-def start_from(cfg, checkpoint):
+def start_from(cfg, checkpoint, backbone_lr_mult):
     """A copy of the detector config whose backbone starts from a classifier ``checkpoint``
-    (``init_cfg`` Pretrained: the backbone's weights, DTN's included; the head is dropped)."""
+    (``init_cfg`` Pretrained: the backbone's weights, DTN's included; the head is dropped) and
+    learns at ``backbone_lr_mult`` times the learning rate (the config's ``finetune`` recipe)."""
     cfg = copy.deepcopy(cfg)
     cfg.model.backbone.init_cfg = dict(type='Pretrained', checkpoint=checkpoint)
+    # mmengine applies one matching key, the longest (ties: the first in sorted order). DTN's
+    # no-decay keys (backbone parameters only) get the multiplier too and a leading '.', which
+    # makes '.var_gate' and '.pos_coef' longer than 'backbone'.
+    paramwise = cfg.optim_wrapper.setdefault('paramwise_cfg', {})
+    keys = {'.' + key: dict(value, lr_mult=backbone_lr_mult)
+            for key, value in paramwise.get('custom_keys', {}).items()}
+    paramwise.custom_keys = dict(keys, backbone=dict(lr_mult=backbone_lr_mult))
     return cfg
+
+
+def config_text(cfg):
+    """The config as text without its work dir: what decides whether a result can be reused."""
+    cfg = copy.deepcopy(cfg)
+    cfg.work_dir = None
+    return cfg.pretty_text
+
+
+def reused_result(cfg, reuse):
+    """The result stored in ``<work_dir>/result.json`` by a training of the same config, if
+    ``reuse`` and there is one; else None."""
+    path = osp.join(cfg.work_dir, 'result.json')
+    if not reuse or not osp.isfile(path):
+        return None
+    with open(path) as f:
+        stored = json.load(f)
+    if stored.get('config') != config_text(cfg):
+        return None
+    print(f'reusing the result of the same config in {path}', flush=True)
+    return stored['result']
+
+
+def store_result(cfg, result):
+    """Write ``result`` with the config it came from to ``<work_dir>/result.json``."""
+    with open(osp.join(cfg.work_dir, 'result.json'), 'w') as f:
+        json.dump(dict(result=result, config=config_text(cfg)), f, indent=1)
 
 
 def format_table(results):
@@ -247,12 +317,30 @@ def pretrain_backbone(args, work_dir):
     from mmdtn.datasets import check_datasets, generate_shape_crops
 
     cfg = build_classifier_config(args, work_dir)
-    generate_shape_crops(args.pretrain_data_root, **cfg.shape_crops_spec)
-    check_datasets(cfg, ['train', 'val'])
-    runner = train(cfg)
     iters = cfg.train_cfg.max_iters
-    return dict(checkpoint=osp.join(cfg.work_dir, f'iter_{iters}.pth'), iters=iters,
-                top1=float(runner.message_hub.get_scalar('val/accuracy/top1').current()))
+    checkpoint = osp.join(cfg.work_dir, f'iter_{iters}.pth')
+    result = reused_result(cfg, args.reuse and osp.isfile(checkpoint))
+    if result is None:
+        generate_shape_crops(args.pretrain_data_root, **cfg.shape_crops_spec)
+        check_datasets(cfg, ['train', 'val'])
+        runner = train(cfg)
+        result = dict(checkpoint=checkpoint, iters=iters,
+                      top1=float(runner.message_hub.get_scalar('val/accuracy/top1').current()))
+        store_result(cfg, result)
+    return result
+
+
+def train_and_test(cfg, reuse):
+    """Train the detector of ``cfg`` and evaluate it on the val split, or reuse the stored result
+    of the same config. Returns the COCO metrics and the runner (None where reused)."""
+    metrics = reused_result(cfg, reuse)
+    if metrics is not None:
+        return metrics, None
+    runner = train(cfg)
+    plot_losses(runner, osp.join(cfg.work_dir, 'losses.png'))
+    metrics = {k: float(v) for k, v in runner.test().items() if isinstance(v, (int, float))}
+    store_result(cfg, metrics)
+    return metrics, runner
 
 
 def main(argv=None):
@@ -262,39 +350,43 @@ def main(argv=None):
     from mmdtn.datasets import check_datasets, generate_shapes_dataset
 
     cfg = build_config(args)
+    # the recipe of a pretrained start, for start_from(); not a setting of the training itself
+    finetune = cfg.pop('finetune')
     iters, work_dir = cfg.train_cfg.max_iters, cfg.work_dir
+    backbone = NORMS[args.norm]
     runs, minutes = {'from scratch': cfg}, {}
-    steps = 4 + 3 * args.pretrain  # data, (pretraining), training and evaluation per run, drawing
+    starts = {None: 1, 'both': 2, 'only': 1}[args.pretrain]
+    steps = 1 + bool(args.pretrain) + 2 * starts  # data, (pretraining), training, evaluation
     print(f'[1/{steps}] synthetic shapes dataset in {args.data_root}', flush=True)
     generate_shapes_dataset(args.data_root, **cfg.shapes_spec)
     check_datasets(cfg, ['train', 'test'])  # as tools/train.py and tools/test.py do
     if args.pretrain:
-        print(f'[2/{steps}] pretraining the PVT-Tiny-DTN backbone as an image classifier on '
+        print(f'[2/{steps}] pretraining the {backbone} backbone as an image classifier on '
               f'shape crops in {args.pretrain_data_root}', flush=True)
         phase_start = time.time()
         classifier = pretrain_backbone(args, osp.join(work_dir, 'classifier'))
         minutes['pretraining'] = (time.time() - phase_start) / 60
-        runs = {'from scratch': cfg, 'pretrained': start_from(cfg, classifier['checkpoint'])}
+        runs = {'pretrained': start_from(cfg, classifier['checkpoint'], finetune.backbone_lr_mult)}
+        if args.pretrain == 'both':
+            runs = {'from scratch': cfg, **runs}
         for name, run_cfg in runs.items():
             run_cfg.work_dir = osp.join(work_dir, name.replace(' ', '_'))
-    results, step = {}, 2 + args.pretrain
+    results, step, runner = {}, 2 + bool(args.pretrain), None
     for name, run_cfg in runs.items():
-        print(f'[{step}/{steps}] training {args.model} with PVT-Tiny-DTN {name} for {iters} '
+        print(f'[{step}/{steps}] training {args.model} with {backbone} {name} for {iters} '
               f'iterations (logs in {run_cfg.work_dir})', flush=True)
         phase_start = time.time()
-        runner = train(run_cfg)
-        loss_png = plot_losses(runner, osp.join(run_cfg.work_dir, 'losses.png'))
+        results[name], runner = train_and_test(run_cfg, args.reuse)
         print(f'[{step + 1}/{steps}] COCO evaluation on the val split', flush=True)
-        metrics = runner.test()
-        results[name] = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         minutes[name] = (time.time() - phase_start) / 60
         step += 2
-    print(f'[{steps}/{steps}] drawing predictions of {args.num_vis} val images', flush=True)
     vis_dir = None
-    if args.num_vis > 0:
+    if args.num_vis > 0 and runner is not None:
+        print(f'drawing predictions of {args.num_vis} val images', flush=True)
         vis_dir = draw_predictions(runner, run_cfg, args.num_vis, args.score_thr)
     elapsed = time.time() - start
-    record = dict(model=args.model, iters=iters, seconds=round(elapsed, 1))
+    record = dict(model=args.model, norm=args.norm, seed=cfg.randomness.seed, iters=iters,
+                  seconds=round(elapsed, 1))
     if args.pretrain:
         record.update(pretrain_iters=classifier['iters'], pretrain_top1=classifier['top1'],
                       runs=results, minutes={k: round(v, 2) for k, v in minutes.items()})
@@ -305,7 +397,7 @@ def main(argv=None):
     if args.pretrain:
         print(f'\nbackbone pretrained as a classifier for {classifier["iters"]} iterations: '
               f'top-1 {classifier["top1"]:.1f}% on the shape crops val split')
-    print(f'\nCOCO AP (%) of {args.model} PVT-Tiny-DTN on synthetic shapes val, {iters} '
+    print(f'\nCOCO AP (%) of {args.model} {backbone} on synthetic shapes val, {iters} '
           f'iterations {" and ".join(runs)}:')
     if all(results.values()):
         print(format_table(results))
@@ -317,7 +409,8 @@ def main(argv=None):
            if args.pretrain else '') + f'; work dir {work_dir}')
     if vis_dir:
         print(f'predictions drawn in {vis_dir}')
-    if loss_png:
+    loss_png = osp.join(run_cfg.work_dir, 'losses.png')
+    if osp.isfile(loss_png):
         print(f'loss curves plotted in {loss_png}')
     return results if args.pretrain else results['from scratch']
 

@@ -72,3 +72,6 @@ test_evaluator = val_evaluator
 default_hooks = {{_base_.schedule_hooks}}
 log_processor = dict(by_epoch=False)
 randomness = dict(seed=0)
+# the recipe of a detector whose backbone starts from the pretrained classifier
+# (tools/demo.py --pretrain): the backbone's learning rate times backbone_lr_mult
+finetune = dict(backbone_lr_mult=1.0)
