@@ -361,13 +361,14 @@ def test_imagenet_dtn_parameters_weight_decay(stem):
     assert any(dtn[n] == cfg.optim_wrapper.optimizer.weight_decay for n in shared)
 
 
-def test_demo_classifier_backbone_is_the_demo_detectors():
-    classifier = _load(osp.join(CONFIGS, 'demo', 'classifier_pvt_tiny_dtn_shape_crops.py'))
-    for detector in ('mask_rcnn_pvt_tiny_dtn_shapes.py', 'retinanet_pvt_tiny_dtn_shapes.py'):
-        det = _load(osp.join(CONFIGS, 'demo', detector))
+@pytest.mark.parametrize('norm', ['dtn', 'ln'])
+def test_demo_classifier_backbone_is_the_demo_detectors(norm):
+    classifier = _load(osp.join(CONFIGS, 'demo', f'classifier_pvt_tiny_{norm}_shape_crops.py'))
+    for model in ('mask_rcnn', 'retinanet'):
+        det = _load(osp.join(CONFIGS, 'demo', f'{model}_pvt_tiny_{norm}_shapes.py'))
         a, b = _effective_backbone(classifier.model.backbone), \
             _effective_backbone(det.model.backbone)
         # the crops' size: PVT's position embeddings are resampled when the detector loads them
-        assert a.pop('pretrain_img_size') == classifier.crop_size == 64
+        assert a.pop('pretrain_img_size') == classifier.crop_size == 32
         assert b.pop('pretrain_img_size') == 128
         assert a == b

@@ -213,9 +213,9 @@ def test_classifier_checkpoint_starts_the_demo_detector(tmp_path):
     assert sorted(det_state) == sorted(cls_state)
     pos_keys = [k for k in cls_state if k.endswith('pos_embed')]
     for key, value in cls_state.items():
-        if key in pos_keys:  # 64 x 64 crops -> 128 x 128 images: each grid doubled
+        if key in pos_keys:  # 32 x 32 crops -> 128 x 128 images: each grid 4 times as wide
             side = int(value.shape[1]**0.5)
-            expected = resample_abs_pos_embed(value, [2 * side] * 2, [side] * 2,
+            expected = resample_abs_pos_embed(value, [4 * side] * 2, [side] * 2,
                                               num_prefix_tokens=0)
             torch.testing.assert_close(det_state[key], expected, rtol=0, atol=0)
         else:
