@@ -122,9 +122,9 @@ def compare(results, tasks):
         table[start] = {}
         for task in tasks:
             # CocoMetric gives no AP where the model detects nothing at all: AP 0
-            ap = {norm: [100 * results[start, norm, seed].get(f'coco/{task}_mAP', 0.0)
+            ap = {norm: [round(100 * results[start, norm, seed].get(f'coco/{task}_mAP', 0.0), 2)
                          for seed in seeds] for norm in NORMS}
-            ap['difference'] = [d - n for d, n in zip(ap['dtn'], ap['ln'])]
+            ap['difference'] = [round(d - n, 2) for d, n in zip(ap['dtn'], ap['ln'])]
             table[start][task] = ap
     return table
 
@@ -159,7 +159,7 @@ def plot(table, title, out_file):
             ax.scatter([x] * len(ap[norm]), ap[norm], s=12, color='black', zorder=3)
     ax.set_xticks(range(len(groups)), [f'{task}\n{start}' for start, task, _ in groups])
     ax.set_ylabel('COCO AP (%)')
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title + '\nmean ± std (bars), each seed (dots)', fontsize=9)
     ax.grid(axis='y', alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -207,15 +207,15 @@ def main(argv=None):
         ['--data-root', args.data_root] +
         (['--iters', str(args.iters)] if args.iters else []))).train_cfg.max_iters
     title = (f'{args.model} PVT-Tiny on synthetic shapes, {iters} iterations, '
-             f'{args.seeds} seed(s): mean ± std')
+             f'{args.seeds} seed(s)')
     with open(osp.join(args.work_dir, 'comparison.md'), 'w') as f:
-        f.write(f'{title}\n\n{markdown}\n')
+        f.write(f'{title}: AP (%), mean ± std over the seeds\n\n{markdown}\n')
     with open(osp.join(args.work_dir, 'comparison.json'), 'w') as f:
         json.dump(dict(model=args.model, iters=iters, seeds=args.seeds, threads=args.threads,
                        ap=table, minutes=round((time.time() - start_time) / 60, 1)), f,
                   indent=1)
     png = plot(table, title, osp.join(args.work_dir, 'comparison.png'))
-    print(f'\n{title}\n\n{markdown}\n')
+    print(f'\n{title}: AP (%), mean ± std over the seeds\n\n{markdown}\n')
     print(f'total time {(time.time() - start_time) / 60:.1f} min; table, figure and values in '
           f'{args.work_dir} ({osp.basename(png)})')
     return table
