@@ -168,13 +168,13 @@ def plot(table, title, out_file):
     return out_file
 
 
-def prepare_data(args):
-    """Write the datasets once, before the trainings that share them start."""
+def prepare_data(args, cfg):
+    """Write the datasets once, before the trainings that share them start (``cfg``: the
+    detector's demo config)."""
     import mmdtn  # noqa: F401
     from mmdtn.datasets import generate_shape_crops, generate_shapes_dataset
 
-    generate_shapes_dataset(args.data_root, **demo.build_config(
-        demo.parse_args(['--data-root', args.data_root])).shapes_spec)
+    generate_shapes_dataset(args.data_root, **cfg.shapes_spec)
     if args.pretrain:
         spec = demo.load_config(demo.classifier_config()).shape_crops_spec
         generate_shape_crops(args.pretrain_data_root, **spec)
@@ -185,7 +185,10 @@ def main(argv=None):
 
     args = parse_args(argv)
     start_time = time.time()
-    prepare_data(args)
+    cfg = demo.build_config(demo.parse_args(
+        ['--model', args.model, '--data-root', args.data_root] +
+        (['--iters', str(args.iters)] if args.iters is not None else [])))
+    prepare_data(args, cfg)
     starts = ['from scratch'] + ['pretrained'] * args.pretrain
     jobs = [(start, norm, seed) for start in starts for seed in range(args.seeds)
             for norm in NORMS]
@@ -203,9 +206,7 @@ def main(argv=None):
             bar.update()
     table = compare({job: results[job] for job in jobs}, TASKS[args.model])
     markdown = format_markdown(table)
-    iters = demo.build_config(demo.parse_args(
-        ['--data-root', args.data_root] +
-        (['--iters', str(args.iters)] if args.iters else []))).train_cfg.max_iters
+    iters = cfg.train_cfg.max_iters
     title = (f'{args.model} PVT-Tiny on synthetic shapes, {iters} iterations, '
              f'{args.seeds} seed(s)')
     with open(osp.join(args.work_dir, 'comparison.md'), 'w') as f:
