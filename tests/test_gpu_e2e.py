@@ -157,12 +157,27 @@ def test_install_stops_before_pip_without_the_wheels_or_packages(tmp_path):
     assert not (tmp_path / 'site').exists()
     assert e2e.missing_provided(['numpy', 'opencv-python', 'no-such-distribution>=1']) == \
         ['no-such-distribution>=1']
+    # --build-mmcv: the tools that build mmcv and nothing else, without the provided packages
+    with pytest.raises(RuntimeError, match=r'for setuptools==[0-9.]+, wheel==[0-9.]+, '
+                                           r'ninja==[0-9.]+: run'):
+        e2e.install(str(tmp_path), str(tmp_path / 'site'), build_tools=True)
 
 
 def test_script_is_bash_clean_and_prints_its_usage():
     assert subprocess.run(['bash', '-n', SCRIPT]).returncode == 0
     usage = subprocess.run(['bash', SCRIPT, '--help'], capture_output=True, text=True)
     assert usage.returncode == 0 and 'Last run on a GPU:' in usage.stdout
+
+
+def test_build_mmcv_ahead_of_time_needs_the_architecture(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != 'TORCH_CUDA_ARCH_LIST'}
+    proc = subprocess.run(['bash', SCRIPT, '--build-mmcv'], cwd=tmp_path, text=True,
+                          env=dict(env, PYTHON=sys.executable, OUT=str(tmp_path / 'out'),
+                                   SCRATCH=str(tmp_path / 'scratch')),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
+    assert proc.returncode == 1, proc.stdout
+    assert 'needs TORCH_CUDA_ARCH_LIST' in (tmp_path / 'out' / 'setup_failed.txt').read_text() \
+        or 'no CUDA build of torch' in proc.stdout, proc.stdout
 
 
 def test_config_paths_in_family_folders_or_at_the_top(tmp_path):

@@ -222,21 +222,22 @@ def pip_command(python, wheels):
     return [python, osp.join(wheel, 'pip'), '--disable-pip-version-check']
 
 
-def install(wheels, site, python=sys.executable):
+def install(wheels, site, python=sys.executable, build_tools=False):
     """Install the carried wheels (not mmcv: built or brought along separately) into ``site``.
 
     Stops before installing anything when a provided package is missing or a wheel is not in
     ``wheels``. ``--no-deps``: the list is the complete set (tests/test_gpu_e2e.py), and the
-    provided packages stay the machine's own.
+    provided packages stay the machine's own. ``build_tools``: only those that build mmcv
+    (``BUILD_TOOLS``), for building its wheel ahead of time on a machine without a GPU.
     """
-    lacking = missing_provided() + missing_provided(MACHINE)
+    lacking = [] if build_tools else missing_provided() + missing_provided(MACHINE)
     if lacking:
         raise RuntimeError(f"this Python ({sys.executable}) lacks {', '.join(lacking)} "
                            f'(requirements/gpu_e2e_provided.txt): install them or bring their '
                            f'wheels along and add them to requirements/gpu_e2e_wheels.txt')
     files, absent = [], []
     for name, version in read_pins():
-        if normalize(name) in ('mmcv', 'pip'):
+        if normalize(name) in ('mmcv', 'pip') or build_tools and normalize(name) not in BUILD_TOOLS:
             continue
         path = find_file(wheels, name, version)
         (files if path else absent).append(path or f'{name}=={version}')
@@ -930,6 +931,8 @@ def main(argv=None):
     p = sub.add_parser('install', help='install the wheels brought along into a target folder')
     p.add_argument('--wheels', required=True)
     p.add_argument('--site', required=True)
+    p.add_argument('--build-tools', action='store_true',
+                   help=f"only those that build mmcv ({', '.join(BUILD_TOOLS[:-1])})")
     for name in ('prepare', 'run'):
         # the same options for both (prepare uses --dry-run and --only), so that one command
         # line serves the two steps of gpu_e2e.sh
@@ -958,7 +961,7 @@ def main(argv=None):
               (f" in {args.dest}" if args.dest else f' in {cache_dir()}'))
     elif args.command == 'install':
         try:
-            files = install(args.wheels, args.site)
+            files = install(args.wheels, args.site, build_tools=args.build_tools)
         except (RuntimeError, subprocess.CalledProcessError) as e:
             print(f'gpu_e2e.py install: {e}', file=sys.stderr)
             return 1

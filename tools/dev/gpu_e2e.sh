@@ -11,6 +11,9 @@
 #   bash tools/dev/gpu_e2e.sh                 # on the GPU machine
 #   bash tools/dev/gpu_e2e.sh --dry-run       # on a CPU with the project's .venv (no set-up)
 #   bash tools/dev/gpu_e2e.sh --only retinanet_pvt-t-dtn_fpn_1x_coco   # one detector
+#   PYTHON=... TORCH_CUDA_ARCH_LIST=9.0 bash tools/dev/gpu_e2e.sh --build-mmcv
+#                                             # ahead of time, without a GPU: the mmcv wheel only,
+#                                             # into $WHEELS/<key>/ for the GPU run to install
 # Other options go to `gpu_e2e.py run` (--only, --jobs, --cfg-options).
 #
 # Environment:
@@ -43,10 +46,12 @@ DRIVER="$ROOT/tools/dev/gpu_e2e.py"
 BUDGET_GIVEN=${BUDGET_S:-}
 BUDGET_S=${BUDGET_S:-480}
 DRY=0
+BUILD_ONLY=0
 ARGS=()
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
+    --build-mmcv) BUILD_ONLY=1 ;;
     -h|--help) sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) ARGS+=("$arg") ;;
   esac
@@ -85,18 +90,29 @@ SITE="$SCRATCH/site"
 mkdir -p "$SCRATCH"
 say "Python $PYTHON, wheels $WHEELS, results $OUT, scratch $SCRATCH, budget ${BUDGET_S} s"
 
-# 1. torch sees the GPU.
-read -r TORCH_VER CUDA_VER GPU_ARCH < <("$PYTHON" -c '
-import torch
-assert torch.cuda.is_available(), "no GPU visible to torch"
-print(torch.__version__.split("+")[0], torch.version.cuda, "%d.%d" % torch.cuda.get_device_capability(0))
+# 1. torch sees the GPU (--build-mmcv: torch is a CUDA build; the architecture is given).
+read -r TORCH_VER CUDA_VER GPU_ARCH < <(BUILD_ONLY=$BUILD_ONLY "$PYTHON" -c '
+import os, torch
+assert torch.version.cuda, "torch is not a CUDA build"
+if os.environ["BUILD_ONLY"] == "1":
+    print(torch.__version__.split("+")[0], torch.version.cuda, "none")
+else:
+    assert torch.cuda.is_available(), "no GPU visible to torch"
+    print(torch.__version__.split("+")[0], torch.version.cuda, "%d.%d" % torch.cuda.get_device_capability(0))
 ' 2> "$OUT/torch_check.log") || die "$PYTHON has no CUDA build of torch that sees a GPU: $(tail -n 1 "$OUT/torch_check.log")"
 ARCH=${TORCH_CUDA_ARCH_LIST:-$GPU_ARCH}
-say "torch $TORCH_VER (CUDA $CUDA_VER), GPU sm_${GPU_ARCH/./}, mmcv ops for $ARCH"
+[ "$ARCH" != none ] || die "--build-mmcv needs TORCH_CUDA_ARCH_LIST, the GPU's architecture (9.0 for H100 and H200)"
+GPU_DESC="GPU sm_${GPU_ARCH/./}"
+[ "$GPU_ARCH" = none ] && GPU_DESC="no GPU needed"
+say "torch $TORCH_VER (CUDA $CUDA_VER), $GPU_DESC, mmcv ops for $ARCH"
 
-# 2. The wheels brought along, into $SITE (first on PYTHONPATH; the machine's packages stay).
+# 2. The wheels brought along, into $SITE (first on PYTHONPATH; the machine's packages stay);
+#    --build-mmcv: those that build mmcv.
 t0=$(date +%s)
-"$PYTHON" "$DRIVER" install --wheels "$WHEELS" --site "$SITE" || die "installing the wheels from $WHEELS"
+BUILD_TOOLS=()
+[ "$BUILD_ONLY" = 1 ] && BUILD_TOOLS=(--build-tools)
+"$PYTHON" "$DRIVER" install --wheels "$WHEELS" --site "$SITE" "${BUILD_TOOLS[@]}" \
+  || die "installing the wheels from $WHEELS"
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$SITE/bin:$PATH"  # ninja, for torch's extension build
 WHEELS_S=$(($(date +%s) - t0))
@@ -114,8 +130,10 @@ stop_background() {
   done
 }
 trap stop_background EXIT
-$SETSID "$PYTHON" "$DRIVER" prepare --scratch "$SCRATCH" "${ARGS[@]}" > "$OUT/prepare.log" 2>&1 &
-PREPARE_PID=$!
+if [ "$BUILD_ONLY" = 0 ]; then
+  $SETSID "$PYTHON" "$DRIVER" prepare --scratch "$SCRATCH" "${ARGS[@]}" > "$OUT/prepare.log" 2>&1 &
+  PREPARE_PID=$!
+fi
 
 ARCH_KEY=$(source "$ROOT/tools/setup_env.sh" && arch_key "$ARCH") || die "tools/setup_env.sh's arch_key"
 MMCV_VER=$(sed -n 's/^mmcv==\([0-9.]*\).*/\1/p' "$ROOT/requirements/gpu_e2e_wheels.txt")
@@ -192,6 +210,10 @@ pip_run install -q --no-index --no-deps --upgrade --target "$SITE" "$MMCV_WHEEL"
   > "$OUT/mmcv_install.log" 2>&1 || die "installing $MMCV_WHEEL: $(tail -n 3 "$OUT/mmcv_install.log")"
 MMCV_S=$(($(date +%s) - t0))
 say "mmcv: $MMCV_ROUTE, ready after ${MMCV_S} s"
+if [ "$BUILD_ONLY" = 1 ]; then
+  say "the wheel for the GPU run: $(ls "$WHEELS/$KEY"/mmcv-*.whl) ($(du -h "$WHEELS/$KEY"/mmcv-*.whl | cut -f 1))"
+  exit 0
+fi
 
 # 4. mmcv's CUDA ops of the detectors once on the GPU (a failure is reported, the runs go on).
 t0=$(date +%s)
