@@ -176,8 +176,7 @@ def test_build_mmcv_ahead_of_time_needs_the_architecture(tmp_path):
                                    SCRATCH=str(tmp_path / 'scratch')),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
     assert proc.returncode == 1, proc.stdout
-    assert 'needs TORCH_CUDA_ARCH_LIST' in (tmp_path / 'out' / 'setup_failed.txt').read_text() \
-        or 'no CUDA build of torch' in proc.stdout, proc.stdout
+    assert 'needs TORCH_CUDA_ARCH_LIST' in (tmp_path / 'out' / 'setup_failed.txt').read_text()
 
 
 def test_config_paths_in_family_folders_or_at_the_top(tmp_path):

@@ -932,7 +932,8 @@ def main(argv=None):
     p.add_argument('--wheels', required=True)
     p.add_argument('--site', required=True)
     p.add_argument('--build-tools', action='store_true',
-                   help=f"only those that build mmcv ({', '.join(BUILD_TOOLS[:-1])})")
+                   help='only those that build mmcv (' +
+                   ', '.join(t for t in BUILD_TOOLS if t != 'pip') + ')')
     for name in ('prepare', 'run'):
         # the same options for both (prepare uses --dry-run and --only), so that one command
         # line serves the two steps of gpu_e2e.sh

@@ -91,20 +91,18 @@ mkdir -p "$SCRATCH"
 say "Python $PYTHON, wheels $WHEELS, results $OUT, scratch $SCRATCH, budget ${BUDGET_S} s"
 
 # 1. torch sees the GPU (--build-mmcv: torch is a CUDA build; the architecture is given).
+[ "$BUILD_ONLY" = 0 ] || [ -n "${TORCH_CUDA_ARCH_LIST:-}" ] \
+  || die "--build-mmcv needs TORCH_CUDA_ARCH_LIST, the GPU's architecture (9.0 for H100 and H200)"
 read -r TORCH_VER CUDA_VER GPU_ARCH < <(BUILD_ONLY=$BUILD_ONLY "$PYTHON" -c '
 import os, torch
 assert torch.version.cuda, "torch is not a CUDA build"
-if os.environ["BUILD_ONLY"] == "1":
-    print(torch.__version__.split("+")[0], torch.version.cuda, "none")
-else:
-    assert torch.cuda.is_available(), "no GPU visible to torch"
-    print(torch.__version__.split("+")[0], torch.version.cuda, "%d.%d" % torch.cuda.get_device_capability(0))
+gpu = os.environ["BUILD_ONLY"] == "0"
+assert not gpu or torch.cuda.is_available(), "no GPU visible to torch"
+arch = "%d.%d" % torch.cuda.get_device_capability(0) if gpu else "none"
+print(torch.__version__.split("+")[0], torch.version.cuda, arch)
 ' 2> "$OUT/torch_check.log") || die "$PYTHON has no CUDA build of torch that sees a GPU: $(tail -n 1 "$OUT/torch_check.log")"
 ARCH=${TORCH_CUDA_ARCH_LIST:-$GPU_ARCH}
-[ "$ARCH" != none ] || die "--build-mmcv needs TORCH_CUDA_ARCH_LIST, the GPU's architecture (9.0 for H100 and H200)"
-GPU_DESC="GPU sm_${GPU_ARCH/./}"
-[ "$GPU_ARCH" = none ] && GPU_DESC="no GPU needed"
-say "torch $TORCH_VER (CUDA $CUDA_VER), $GPU_DESC, mmcv ops for $ARCH"
+say "torch $TORCH_VER (CUDA $CUDA_VER), GPU capability $GPU_ARCH, mmcv ops for $ARCH"
 
 # 2. The wheels brought along, into $SITE (first on PYTHONPATH; the machine's packages stay);
 #    --build-mmcv: those that build mmcv.
